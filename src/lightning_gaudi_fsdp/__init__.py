@@ -1,0 +1,34 @@
+"""Lightning FSDP on Intel Gaudi (HPU), rehearsable on CPU processes.
+
+Importing this package registers, once and only where the names are free:
+
+- the ``hpu`` accelerator in Lightning's ``AcceleratorRegistry`` (Lightning >= 2.5.6 ships none);
+- the strategy names ``gaudi_fsdp`` and ``hpu_fsdp`` (lightning-habana's name) in the ``StrategyRegistry``.
+
+It never imports ``habana_frameworks``.
+"""
+
+from __future__ import annotations
+
+from lightning_gaudi_fsdp.accelerator import GaudiAccelerator
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError
+from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
+from lightning_gaudi_fsdp.strategy import GaudiFSDPStrategy
+
+__all__ = ["CheckpointError", "GaudiAccelerator", "GaudiFSDPPrecision", "GaudiFSDPStrategy", "register"]
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """Register the ``hpu`` accelerator and the strategy names with Lightning; safe to call more than once."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "hpu" not in AcceleratorRegistry:
+        AcceleratorRegistry.register(
+            "hpu", GaudiAccelerator, description="Intel Gaudi through the Habana PyTorch bridge (lightning-gaudi-fsdp)"
+        )
+    GaudiFSDPStrategy.register_strategies(StrategyRegistry)
+
+
+register()

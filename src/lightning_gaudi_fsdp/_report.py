@@ -1,0 +1,75 @@
+"""What the strategy tells the user: the effective configuration table and the versions in use."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from typing import TYPE_CHECKING
+
+from torch.nn import Module
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.strategy import GaudiFSDPStrategy
+
+log = logging.getLogger("lightning_gaudi_fsdp")
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    found = {
+        "torch": torch.__version__,
+        "lightning": _dist_version("lightning") or _dist_version("pytorch-lightning") or "unknown",
+        "lightning-gaudi-fsdp": _dist_version("lightning-gaudi-fsdp") or "unknown",
+    }
+    from lightning_gaudi_fsdp import gaudi
+
+    bridge = gaudi.bridge_version()
+    if bridge is not None:
+        found["habana-torch-plugin"] = bridge
+    return found
+
+
+def fsdp_unit_count(model: Module) -> int:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return sum(isinstance(m, FSDP) for m in model.modules())
+
+
+def configuration_table(strategy: GaudiFSDPStrategy) -> str:
+    model = strategy.model
+    assert model is not None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flat_params = {id(m._handle.flat_param): m._handle.flat_param for m in model.modules()
+                   if isinstance(m, FSDP) and m._handle is not None}
+    held = sum(p.numel() for p in flat_params.values())
+    mp = strategy.mixed_precision_config
+    dtypes = "fp32 (no FSDP mixed precision)" if mp is None else (
+        f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
+    )
+    rows = [
+        ("sharding", strategy.sharding_strategy.name),
+        ("FSDP units", str(fsdp_unit_count(model))),
+        ("flat parameters on rank 0", f"{held:,} elements"),
+        ("mixed precision", dtypes),
+        ("Trainer precision", str(strategy.precision_plugin.precision)),
+        ("state_dict_type", strategy._state_dict_type),
+        ("backend", str(strategy.process_group_backend)),
+        ("device", str(strategy.root_device)),
+        ("world size", str(strategy.world_size)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["GaudiFSDPStrategy configuration:"] + [f"  {k.ljust(width)} : {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def compiled_units(names: list[str]) -> None:
+    log.info("torch.compile applied to %d module(s): %s", len(names), ", ".join(n or "<root>" for n in names))

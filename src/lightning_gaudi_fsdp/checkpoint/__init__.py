@@ -1,0 +1,1 @@
+"""Checkpoint formats (full, sharded, local), atomic commits and offline conversion."""

@@ -1,0 +1,91 @@
+"""Atomic commits: a checkpoint becomes visible under its final name only once it is complete.
+
+Writers put everything into a staging sibling (``.<name>.partial``); the committer fsyncs it, then renames it into
+place. A directory that already exists under the final name is first moved to ``.<name>.old`` and deleted only after
+the new one is in place; :func:`recover` puts it back if a crash fell between the two renames. Nothing here knows
+about state-dict formats.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+PARTIAL_SUFFIX = ".partial"
+OLD_SUFFIX = ".old"
+
+
+def staging_path(path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+def _old_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{OLD_SUFFIX}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def prepare_staging(path: str | os.PathLike[str], directory: bool) -> Path:
+    """Clear what an interrupted save may have left, and return an empty staging location."""
+    staging = staging_path(path)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    _remove(staging)
+    if directory:
+        staging.mkdir()
+    return staging
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` (or the file itself) and the directories holding them."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    dirs = {path if path.is_dir() else path.parent} | {f.parent for f in files}
+    for directory in dirs:
+        _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(staging: Path, path: str | os.PathLike[str]) -> Path:
+    """Make ``staging`` visible as ``path``; the previous content of ``path`` is replaced only once the new is in."""
+    path = Path(path)
+    fsync_tree(staging)
+    if staging.is_file() and not path.is_dir():
+        os.replace(staging, path)
+    else:
+        old = _old_path(path)
+        _remove(old)
+        if path.exists() or path.is_symlink():
+            os.replace(path, old)
+        os.replace(staging, path)
+        _remove(old)
+    _fsync_dir(path.parent)
+    return path
+
+
+def recover(path: str | os.PathLike[str]) -> None:
+    """Restore ``path`` from ``.<name>.old`` when a crash happened between the two renames of :func:`commit`."""
+    path = Path(path)
+    old = _old_path(path)
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
+def discard(path: str | os.PathLike[str]) -> None:
+    """Drop a staging location after a failed save (the committed checkpoint, if any, is left alone)."""
+    _remove(staging_path(path))

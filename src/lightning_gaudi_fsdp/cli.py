@@ -1,0 +1,1 @@
+def main() -> int:\n    return 0

@@ -1,0 +1,340 @@
+"""Turn YAML-friendly option values into the torch FSDP objects they name.
+
+Every function here is pure: it reads no environment variable, touches no device and does not import Lightning.
+Each ``resolve_*`` accepts either the torch object itself or its plain spelling (a name in any case, a dotted class
+path, a dtype name) and raises ``ValueError``/``TypeError`` naming the argument, the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from torch.nn import Module
+
+StateDictType = Literal["full", "sharded", "local"]
+STATE_DICT_TYPES: tuple[str, ...] = ("full", "sharded", "local")
+
+# One explicit table of the dtype spellings accepted in configs (``torch.`` prefixes are stripped first).
+TORCH_DTYPE_MAP: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+MIXED_PRECISION_KEYS: tuple[str, ...] = (
+    "param_dtype",
+    "reduce_dtype",
+    "buffer_dtype",
+    "keep_low_precision_grads",
+    "cast_forward_inputs",
+    "cast_root_forward_inputs",
+)
+_MIXED_PRECISION_DTYPE_KEYS = MIXED_PRECISION_KEYS[:3]
+
+
+def _expected(values: Iterable[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _unsupported(argument: str, value: object, accepted: Iterable[str]) -> ValueError:
+    return ValueError(f"{argument}={value!r} is not supported; expected one of {_expected(accepted)}")
+
+
+def _resolve_enum_name(value: object, enum_cls: type, argument: str) -> Any:
+    """Match ``value`` against the members of ``enum_cls`` by name, case-insensitively."""
+    if isinstance(value, enum_cls):
+        return value
+    names = list(enum_cls.__members__)
+    if isinstance(value, str):
+        key = value.strip().upper()
+        if key.startswith(enum_cls.__name__.upper() + "."):
+            key = key[len(enum_cls.__name__) + 1 :]
+        if key in enum_cls.__members__:
+            return enum_cls[key]
+        raise _unsupported(argument, value, names)
+    raise TypeError(f"{argument} must be a string or a {enum_cls.__name__}, got {type(value).__name__} {value!r}")
+
+
+def resolve_sharding_strategy(value: str | ShardingStrategy) -> ShardingStrategy:
+    """``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2`` in any case."""
+    return _resolve_enum_name(value, ShardingStrategy, "sharding_strategy")
+
+
+def resolve_backward_prefetch(value: str | BackwardPrefetch | None) -> BackwardPrefetch | None:
+    """``BACKWARD_PRE``, ``BACKWARD_POST`` in any case, or ``None`` (and ``"none"``) to disable prefetching."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    return _resolve_enum_name(value, BackwardPrefetch, "backward_prefetch")
+
+
+def resolve_bool(value: object, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def resolve_cpu_offload(value: bool | CPUOffload | None) -> CPUOffload:
+    if isinstance(value, CPUOffload):
+        return value
+    if value is None:
+        return CPUOffload(offload_params=False)
+    return CPUOffload(offload_params=resolve_bool(value, "cpu_offload"))
+
+
+def resolve_dtype(value: str | torch.dtype, argument: str = "dtype") -> torch.dtype:
+    """A ``torch.dtype`` or one of the names in ``TORCH_DTYPE_MAP``, with or without a ``torch.`` prefix."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in TORCH_DTYPE_MAP:
+            return TORCH_DTYPE_MAP[key]
+        raise _unsupported(argument, value, TORCH_DTYPE_MAP)
+    raise TypeError(f"{argument} must be a dtype name or a torch.dtype, got {type(value).__name__} {value!r}")
+
+
+def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
+    """A ``MixedPrecision``, or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or ``None``."""
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}"
+        )
+    unknown = [key for key in value if key not in MIXED_PRECISION_KEYS]
+    if unknown:
+        raise ValueError(
+            f"mixed_precision has unknown key(s) {_expected(map(str, unknown))}; "
+            f"expected any of {_expected(MIXED_PRECISION_KEYS)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, item in value.items():
+        argument = f"mixed_precision[{key!r}]"
+        if key in _MIXED_PRECISION_DTYPE_KEYS:
+            kwargs[key] = None if item is None else resolve_dtype(item, argument)
+        else:
+            kwargs[key] = resolve_bool(item, argument)
+    return MixedPrecision(**kwargs)
+
+
+def import_object(path: str, argument: str) -> Any:
+    """Import ``package.module.Name`` (the last dot separates the attribute)."""
+    module_name, _, attr = path.strip().rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{argument}: {path!r} is not a dotted class path such as 'torch.nn.Linear'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{argument}: cannot import module {module_name!r} for {path!r} ({err})") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], n=3)
+        hint = f"; did you mean {_expected(f'{module_name}.{c}' for c in close)}?" if close else ""
+        raise ValueError(f"{argument}: module {module_name!r} has no attribute {attr!r}{hint}") from None
+
+
+def resolve_module_classes(value: object, argument: str) -> tuple[type[Module], ...]:
+    """A module class, a dotted class path, or a set/list/tuple of either, as a tuple of ``nn.Module`` subclasses."""
+    items = [value] if isinstance(value, str | type) else value
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise TypeError(
+            f"{argument} must be a module class, a dotted class path or a list of them, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    classes: list[type[Module]] = []
+    for item in items:
+        cls = import_object(item, argument) if isinstance(item, str) else item
+        if not (isinstance(cls, type) and issubclass(cls, Module)):
+            raise TypeError(f"{argument}: {item!r} is not a torch.nn.Module subclass")
+        if cls not in classes:
+            classes.append(cls)
+    if not classes:
+        raise ValueError(f"{argument} is empty; give at least one module class or leave it as None")
+    return tuple(classes)
+
+
+def _is_class_spec(value: object) -> bool:
+    return isinstance(value, str | type | set | frozenset | list | tuple)
+
+
+def resolve_auto_wrap_policy(value: object) -> Callable[..., bool] | ModuleWrapPolicy | None:
+    """Module classes (or their dotted paths) -> ``ModuleWrapPolicy``; an int -> size-based policy with that
+    ``min_num_params``; a callable or a torch policy object is used as it is; ``None`` wraps only the root."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"auto_wrap_policy must not be a bool, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"auto_wrap_policy={value!r} must be a positive min_num_params for the size-based policy")
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=value)
+    if _is_class_spec(value):
+        return ModuleWrapPolicy(set(resolve_module_classes(value, "auto_wrap_policy")))
+    if callable(value):
+        return value
+    raise TypeError(
+        "auto_wrap_policy must be module classes, dotted class paths, an int (min_num_params), a callable "
+        f"or a ModuleWrapPolicy, got {type(value).__name__} {value!r}"
+    )
+
+
+def resolve_activation_checkpointing_policy(value: object) -> dict[str, Any]:
+    """Keyword arguments for torch's ``apply_activation_checkpointing``: ``{}`` when disabled, ``check_fn`` for
+    module classes or a ``(module) -> bool`` callable, ``auto_wrap_policy`` for a torch policy object."""
+    if value is None:
+        return {}
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if isinstance(value, _Policy):
+        return {"auto_wrap_policy": value}
+    if _is_class_spec(value):
+        classes = resolve_module_classes(value, "activation_checkpointing_policy")
+        return {"check_fn": _InstanceOf(classes)}
+    if callable(value):
+        return {"check_fn": value}
+    raise TypeError(
+        "activation_checkpointing_policy must be module classes, dotted class paths or a callable, "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
+class _InstanceOf:
+    """A picklable ``check_fn`` that selects modules of the given classes."""
+
+    def __init__(self, classes: tuple[type[Module], ...]) -> None:
+        self.classes = classes
+
+    def __call__(self, module: Module) -> bool:
+        return isinstance(module, self.classes)
+
+    def __repr__(self) -> str:
+        return f"InstanceOf({', '.join(c.__qualname__ for c in self.classes)})"
+
+
+def resolve_state_dict_type(value: str) -> StateDictType:
+    if not isinstance(value, str):
+        raise TypeError(f"state_dict_type must be a string, got {type(value).__name__} {value!r}")
+    key = value.strip().lower()
+    if key not in STATE_DICT_TYPES:
+        raise _unsupported("state_dict_type", value, STATE_DICT_TYPES)
+    return key  # type: ignore[return-value]
+
+
+def resolve_device_mesh(value: object) -> tuple[int, int] | Any | None:
+    """``(replicas, shard_size)`` as a tuple or list of two positive ints, a ``DeviceMesh``, or ``None``."""
+    if value is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(value, DeviceMesh):
+        return value
+    if (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(
+        f"device_mesh={value!r} is not supported; expected (replicas, shard_size) as two positive ints, "
+        "for example [2, 4], or a DeviceMesh"
+    )
+
+
+def check_hybrid_requirements(
+    sharding_strategy: ShardingStrategy, auto_wrap_policy: object, process_group: object, device_mesh: object
+) -> None:
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("process_group and device_mesh are mutually exclusive; pass only one of them")
+    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if device_mesh is not None and not hybrid:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} only applies to hybrid sharding; set sharding_strategy to "
+            f"'HYBRID_SHARD' or '_HYBRID_SHARD_ZERO2' (got {sharding_strategy.name!r})"
+        )
+    if hybrid and auto_wrap_policy is None and process_group is None and device_mesh is None:
+        raise ValueError(
+            f"sharding_strategy={sharding_strategy.name!r} needs at least one of auto_wrap_policy, process_group "
+            "or device_mesh (for example device_mesh=[num_nodes, devices_per_node])"
+        )
+
+
+def check_state_dict_type(
+    state_dict_type: StateDictType, sharding_strategy: ShardingStrategy, device_mesh: object
+) -> None:
+    if state_dict_type != "local":
+        return
+    if sharding_strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            "state_dict_type='local' needs a sharded strategy; sharding_strategy='NO_SHARD' keeps no shards. "
+            "Use state_dict_type='full' or 'sharded'"
+        )
+    if device_mesh is not None:
+        raise ValueError(
+            "state_dict_type='local' cannot be used with a device_mesh (torch's LOCAL_STATE_DICT does not "
+            "support it); use state_dict_type='sharded'"
+        )
+
+
+def resolve_compile(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``False`` -> ``None`` (no compile); ``True`` -> ``{}``; a dict -> keyword arguments for ``torch.compile``."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"compile keys must be torch.compile argument names, got {value!r}")
+        return dict(value)
+    raise TypeError(f"compile must be True, False or a dict of torch.compile arguments, got {value!r}")
+
+
+def resolve_submodules(
+    root: Module, items: Iterable[object], argument: str, allow_parameters: bool = False
+) -> list[Module | torch.nn.Parameter]:
+    """Turn names relative to ``root`` (``"encoder.layers.0"``) into the modules (or parameters) they name.
+
+    Objects pass through unchanged. An unknown name raises ``ValueError`` listing the closest names.
+    """
+    modules = dict(root.named_modules())
+    params = dict(root.named_parameters()) if allow_parameters else {}
+    resolved: list[Module | torch.nn.Parameter] = []
+    for item in items:
+        if not isinstance(item, str):
+            resolved.append(item)  # type: ignore[arg-type]
+            continue
+        if item in modules and item:
+            resolved.append(modules[item])
+        elif item in params:
+            resolved.append(params[item])
+        else:
+            names = [n for n in modules if n] + list(params)
+            close = difflib.get_close_matches(item, names, n=3, cutoff=0.5)
+            hint = f"; closest: {_expected(close)}" if close else ""
+            kinds = "module or parameter" if allow_parameters else "module"
+            raise ValueError(f"{argument}: {item!r} is not a {kinds} of {type(root).__name__}{hint}")
+    return resolved
+
+
+def resolve_names_list(value: object, argument: str) -> list[Any] | None:
+    """``None`` or a list/tuple/set of names or objects (resolved against the model at setup)."""
+    if value is None:
+        return None
+    if isinstance(value, str | Module):
+        return [value]
+    if isinstance(value, Iterable) and not isinstance(value, Mapping):
+        return list(value)
+    raise TypeError(f"{argument} must be a list of module names or objects, got {type(value).__name__} {value!r}")

@@ -1,0 +1,443 @@
+"""``GaudiFSDPStrategy``: Lightning's FSDP strategy for Intel Gaudi, rehearsable on CPU processes over gloo."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+
+log = logging.getLogger(__name__)
+
+_WrapPolicyInput = Union[int, str, list[str], set[type[Module]], list[type[Module]], ModuleWrapPolicy, Callable, None]
+_CheckpointPolicyInput = Union[str, list[str], set[type[Module]], list[type[Module]], Callable, None]
+_PROCESS_GROUP_BACKENDS = ("hccl", "gloo", "nccl", "mpi")
+
+
+class GaudiFSDPStrategy(FSDPStrategy):
+    r"""Fully Sharded Data Parallel (torch FSDP1) on Intel Gaudi, in eager mode over HCCL.
+
+    With ``Trainer(accelerator="cpu")`` the same strategy runs real FSDP in CPU processes over gloo, so a
+    configuration can be rehearsed on any machine. Every argument accepts its torch object or a plain spelling
+    that fits in a LightningCLI YAML file; all are checked here, before any process starts.
+
+    Arguments:
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``,
+            ``"_HYBRID_SHARD_ZERO2"`` (any case) or a ``ShardingStrategy``.
+        process_group: a process group (or the intra/inter pair for hybrid sharding); Python only.
+        device_mesh: ``[replicas, shard_size]`` for hybrid sharding, built on the device type in use, or a
+            ``DeviceMesh``. Its product must equal the world size.
+        cpu_offload: ``True``/``False`` or a ``CPUOffload``.
+        auto_wrap_policy: module classes or dotted class paths (one FSDP unit per instance), an int
+            (``min_num_params`` of the size-based policy), a callable or a ``ModuleWrapPolicy``.
+        backward_prefetch: ``"BACKWARD_PRE"`` (default), ``"BACKWARD_POST"`` or ``None``.
+        mixed_precision: a ``MixedPrecision`` or a dict with ``param_dtype``, ``reduce_dtype``, ``buffer_dtype``
+            (``"bfloat16"``, ``"bf16"``, ``"float32"``, ``"torch.float16"``, ...), ``keep_low_precision_grads``,
+            ``cast_forward_inputs``, ``cast_root_forward_inputs``. It sets FSDP's parameter, gradient-reduction
+            and buffer dtypes; ``Trainer(precision=...)`` still decides autocast and input casting. When both are
+            given, this argument wins for FSDP's dtypes and a warning says so.
+        ignored_modules: modules, or their names relative to the LightningModule, that FSDP leaves unsharded.
+        ignored_states: parameters or modules (objects or names) that FSDP does not manage.
+        param_init_fn: called on each module still on the meta device to materialise it.
+        device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``.
+        sync_module_states: broadcast rank 0's parameters and buffers at wrap time.
+        forward_prefetch: prefetch the next all-gather during the forward pass.
+        limit_all_gathers: rate-limit all-gathers to bound device memory (default ``True``).
+        use_orig_params: expose the original parameters to the optimizer (default ``True``).
+        state_dict_type: checkpoint format written by saves: ``"full"`` (default), ``"sharded"`` or ``"local"``.
+            Loading picks the format from what is on disk.
+        activation_checkpointing_policy: module classes, dotted class paths or a ``(module) -> bool`` callable.
+        compile: ``True`` or a dict of ``torch.compile`` arguments compiles each FSDP unit
+            (``hpu_backend`` on Gaudi, ``aot_eager`` on CPU unless ``backend`` is given).
+        eager_pipeline: sets ``PT_HPU_EAGER_PIPELINE_ENABLE`` for launched processes; ``False`` is Intel's
+            documented switch for FSDP stability problems. ``None`` leaves the environment alone.
+        process_group_backend: default ``"hccl"`` on Gaudi and ``"gloo"`` on CPU; only ``"hccl"`` works on Gaudi.
+        timeout: collective timeout, a ``timedelta`` or seconds.
+    """
+
+    strategy_name = "gaudi_fsdp"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+        process_group: Any = None,
+        device_mesh: tuple[int, int] | list[int] | DeviceMesh | None = None,
+        cpu_offload: bool | CPUOffload = False,
+        auto_wrap_policy: _WrapPolicyInput = None,
+        backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
+        mixed_precision: dict[str, Any] | MixedPrecision | None = None,
+        ignored_modules: list[str] | list[Module] | None = None,
+        ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
+        param_init_fn: Callable[[Module], None] | None = None,
+        device_id: int | str | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = True,
+        state_dict_type: str = "full",
+        activation_checkpointing_policy: _CheckpointPolicyInput = None,
+        compile: bool | dict[str, Any] = False,
+        eager_pipeline: bool | None = None,
+    ) -> None:
+        sharding = options.resolve_sharding_strategy(sharding_strategy)
+        wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
+        mesh = options.resolve_device_mesh(device_mesh)
+        options.check_hybrid_requirements(sharding, wrap_policy, process_group, mesh)
+        self._state_dict_type = options.resolve_state_dict_type(state_dict_type)
+        options.check_state_dict_type(self._state_dict_type, sharding, mesh)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=_resolve_backend(process_group_backend),
+            timeout=_resolve_timeout(timeout),
+            cpu_offload=options.resolve_cpu_offload(cpu_offload),
+            mixed_precision=options.resolve_mixed_precision(mixed_precision),
+            auto_wrap_policy=wrap_policy,
+            sharding_strategy=sharding,
+            state_dict_type=self._state_dict_type,  # type: ignore[arg-type]
+            process_group=process_group,
+            backward_prefetch=options.resolve_backward_prefetch(backward_prefetch),
+            param_init_fn=_resolve_callable(param_init_fn, "param_init_fn"),
+            sync_module_states=options.resolve_bool(sync_module_states, "sync_module_states"),
+            forward_prefetch=options.resolve_bool(forward_prefetch, "forward_prefetch"),
+            limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
+            use_orig_params=options.resolve_bool(use_orig_params, "use_orig_params"),
+        )
+        if process_group is None:
+            self.kwargs.pop("process_group")
+        # Kept apart from self.kwargs: Lightning would build a tuple mesh on "cuda"; we build it on our device.
+        self._device_mesh = mesh
+        self._ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
+        self._ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
+        if self._ignored_modules is not None and self._ignored_states is not None:
+            raise ValueError("ignored_modules and ignored_states are mutually exclusive; pass only one of them")
+        self._device_id = _check_device_id(device_id)
+        self._activation_checkpointing_kwargs = options.resolve_activation_checkpointing_policy(
+            activation_checkpointing_policy
+        )
+        self._compile_kwargs = options.resolve_compile(compile)
+        self._eager_pipeline = None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
+
+    # ------------------------------------------------------------------------------------------- devices, backend
+    @property
+    def _on_hpu(self) -> bool:
+        return bool(self.parallel_devices) and self.parallel_devices[0].type == "hpu"  # type: ignore[index]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._on_hpu:
+            return gaudi.current_device()
+        return super().root_device
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        device_type = self.root_device.type
+        backend = self._process_group_backend
+        if device_type == "hpu":
+            if backend not in (None, "hccl"):
+                raise ValueError(
+                    f"process_group_backend={backend!r} is not supported on Gaudi; expected 'hccl' (or None)"
+                )
+            return "hccl"
+        if backend is None:
+            return "gloo" if device_type == "cpu" else super()._get_process_group_backend()
+        if backend == "hccl":
+            raise ValueError(f"process_group_backend='hccl' needs accelerator='hpu'; this run uses {device_type!r}")
+        return backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._on_hpu:
+            self._get_process_group_backend()  # a wrong backend fails before any process starts
+            gaudi.ensure_eager_mode()
+            gaudi.apply_launch_environment(self._eager_pipeline)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        if self._on_hpu:
+            gaudi.ensure_eager_mode()
+            gaudi.import_hccl()
+        super().setup_environment()
+        if isinstance(self._device_mesh, tuple):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            replicas, shard = self._device_mesh
+            if replicas * shard != self.world_size:
+                raise ValueError(
+                    f"device_mesh={list(self._device_mesh)} has {replicas * shard} devices but the world size is "
+                    f"{self.world_size}; replicas x shard_size must equal num_nodes x devices"
+                )
+            self._device_mesh = init_device_mesh(self.root_device.type, self._device_mesh)
+        if self._device_mesh is not None:
+            self.kwargs["device_mesh"] = self._device_mesh
+
+    # ---------------------------------------------------------------------------------------------------- precision
+    @property
+    @override
+    def precision_plugin(self) -> GaudiFSDPPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = GaudiFSDPPrecision("32-true")
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is not None and not isinstance(precision_plugin, FSDPPrecision):
+            raise TypeError(
+                f"GaudiFSDPStrategy works with FSDP precision plugins only, got {type(precision_plugin).__name__}"
+            )
+        if isinstance(precision_plugin, FSDPPrecision) and not isinstance(precision_plugin, GaudiFSDPPrecision):
+            # Lightning's connector builds a plain FSDPPrecision (CUDA autocast and scaler); swap in ours.
+            precision_plugin = GaudiFSDPPrecision(precision_plugin.precision)
+        self._precision_plugin = precision_plugin
+
+    # -------------------------------------------------------------------------------------------------- wrapping
+    def _fsdp_device(self) -> torch.device:
+        device_id = self._device_id
+        if device_id is None:
+            return self.root_device
+        if isinstance(device_id, int):
+            return torch.device(self.root_device.type, device_id)
+        return torch.device(device_id)
+
+    def _resolve_ignored(self, module: Module) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self._ignored_modules is not None:
+            kwargs["ignored_modules"] = options.resolve_submodules(module, self._ignored_modules, "ignored_modules")
+        if self._ignored_states is not None:
+            kwargs["ignored_states"] = options.resolve_submodules(
+                module, self._ignored_states, "ignored_states", allow_parameters=True
+            )
+        return kwargs
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if any(isinstance(m, FSDP) for m in model.modules()):
+            model = super()._setup_model(model)
+        else:
+            self._warn_if_precision_overlaps()
+            model = FSDP(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self._fsdp_device(),
+                **self._resolve_ignored(model),
+                **self.kwargs,
+            )
+            _move_torchmetrics_to_device(model, self.root_device)
+            _apply_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        if self._compile_kwargs is not None:
+            _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
+        self.precision_plugin.set_device_type(self.root_device.type)
+        self.precision_plugin.attach(model)
+        return model
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.precision_plugin.set_device_type(self.root_device.type)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
+            rank_zero_info(_report.configuration_table(self))
+
+    def _warn_if_precision_overlaps(self) -> None:
+        plugin_precision = self.precision_plugin.precision
+        if self.mixed_precision is not None and plugin_precision != "32-true":
+            rank_zero_warn(
+                f"GaudiFSDPStrategy(mixed_precision=...) sets FSDP's parameter/reduce/buffer dtypes and overrides the "
+                f"dtypes Trainer(precision={plugin_precision!r}) would choose for them; autocast and input casting "
+                "still follow the Trainer's precision."
+            )
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return formats.model_state_dict(self.model, self._state_dict_type, self.root_device.type)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return formats.optimizer_state_dict(
+            self.model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        metadata = None
+        if self._state_dict_type == "local":
+            assert self.model is not None
+            metadata = formats.local_metadata(self.model, self.sharding_strategy.name, _report.versions())
+        formats.save(
+            self._state_dict_type,
+            checkpoint,
+            path,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
+            local_metadata=metadata,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        strict = self.lightning_module.strict_loading
+        device_type = self.root_device.type
+        pending, error = None, None
+        try:
+            pending = formats.check_load(
+                path, self.model, world_size=self.world_size, rank=self.global_rank, device_type=device_type,
+                strict=strict,
+            )
+        except formats.CheckpointError as err:
+            error = str(err)
+        # Every rank learns of any rank's problem before weights change: nobody waits in a collective alone.
+        errors = self._gather_objects(error)
+        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+        if failed:
+            rank, message = failed[0]
+            raise formats.CheckpointError(path, message.split(": ", 1)[-1] + f" (reported by rank {rank})")
+        assert pending is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return formats.apply_load(
+            pending,
+            self.model,
+            self.optimizers,
+            device_type=device_type,
+            strict=strict,
+            load_optimizers=fitting and bool(self.optimizers),
+        )
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    # -------------------------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        description = "FSDP on Intel Gaudi (eager mode, HCCL); CPU processes over gloo for rehearsal"
+        for name in ("gaudi_fsdp", "hpu_fsdp"):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description)
+
+
+def _resolve_backend(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.strip().lower() not in _PROCESS_GROUP_BACKENDS:
+        raise ValueError(
+            f"process_group_backend={value!r} is not supported; expected one of "
+            f"{', '.join(repr(b) for b in _PROCESS_GROUP_BACKENDS)} or None"
+        )
+    return value.strip().lower()
+
+
+def _resolve_timeout(value: timedelta | float | None) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return timedelta(seconds=value)
+    raise ValueError(f"timeout={value!r} is not supported; expected a timedelta or a positive number of seconds")
+
+
+def _resolve_callable(value: Any, argument: str) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{argument} must be a callable or None, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_device_id(value: Any) -> int | str | torch.device | None:
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError as err:
+            raise ValueError(f"device_id={value!r} is not a device; expected e.g. 'hpu:0', 'cpu' or 0") from err
+        return value
+    raise ValueError(f"device_id={value!r} is not supported; expected None, a non-negative int, a device string "
+                     "or a torch.device")
+
+
+def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> None:
+    if not kwargs:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, **kwargs)
+
+
+def _apply_compile(model: Module, kwargs: Mapping[str, Any], device_type: str) -> list[str]:
+    """Compile each non-root FSDP unit's inner module in place (the FSDP wrappers and their hooks stay eager);
+    with no inner units, compile the children of the wrapped LightningModule."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kwargs = dict(kwargs)
+    kwargs.setdefault("backend", gaudi.default_compile_backend(device_type))
+    gaudi.prepare_compile_backend(kwargs["backend"])
+    targets = [(n, m.module) for n, m in model.named_modules() if isinstance(m, FSDP) and m is not model]
+    if not targets:
+        inner = model.module if isinstance(model, FSDP) else model
+        targets = list(inner.named_children())
+    for _, module in targets:
+        module.compile(**kwargs)
+    return [name for name, _ in targets]

@@ -1,0 +1,122 @@
+"""Model, data and probes shared by the multi-process scenario scripts (each run in its own subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+FEATURES = 16
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = FEATURES) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 3, width: int = FEATURES) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+class RandomRegression(Dataset):
+    def __init__(self, n: int = 256, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Module(L.LightningModule):
+    def __init__(
+        self,
+        lr: float = 0.01,
+        optimizer: str = "adamw",
+        scheduler: bool = True,
+        batch_size: int = 4,
+        depth: int = 3,
+        meta_init: bool = False,
+        rank_dependent_init: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: nn.Module | None = None if meta_init else Net(depth)
+        if rank_dependent_init and self.net is not None:
+            rank = int(os.environ.get("LOCAL_RANK", "0"))
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.fill_(0.01 * (rank + 1))
+        self.seen_dtypes: dict[str, str] = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = Net(self.hparams.depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        # An fp32 op written outside the model: under "mixed" it must run in low precision.
+        probe = x @ x.transpose(0, 1)
+        self.seen_dtypes["training_step_matmul"] = str(probe.dtype)
+        loss = nn.functional.mse_loss(out.float(), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomRegression(), batch_size=self.hparams.batch_size, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(RandomRegression(64, seed=99), batch_size=self.hparams.batch_size)
+
+    def configure_optimizers(self) -> Any:
+        params = self.trainer.model.parameters() if self.trainer.model is not None else self.parameters()
+        if self.hparams.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=self.hparams.lr)
+        elif self.hparams.optimizer == "sgd_momentum":
+            opt = torch.optim.SGD(params, lr=self.hparams.lr, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def load_config() -> dict[str, Any]:
+    return json.loads(Path(sys.argv[1]).read_text())
+
+
+def write_json(out: Path, name: str, data: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{name}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(out / name)

@@ -1,0 +1,149 @@
+"""Train (and optionally resume/save) one configuration; every rank writes what it observed as JSON.
+
+Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same command for the other ranks)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import Module, load_config, write_json
+from lightning.pytorch.callbacks import Callback
+
+from lightning_gaudi_fsdp import GaudiFSDPStrategy
+from lightning_gaudi_fsdp.checkpoint import formats
+
+
+def fsdp_units(model: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
+
+
+class Probe(Callback):
+    def __init__(self, out: Path, cfg: dict[str, Any]) -> None:
+        self.out, self.cfg, self.info, self.losses = out, cfg, {}, []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = trainer.strategy.model
+        if not fsdp_units(model):
+            return
+        full = formats.model_state_dict(model, "full", "cpu")
+        if trainer.global_rank == 0:
+            values = torch.cat([v.reshape(-1) for k, v in full.items() if "weight" in k or "bias" in k])
+            self.info["initial_unique_values"] = sorted({round(float(v), 6) for v in values.unique()})[:10]
+        fc = pl_module.net.blocks[0].fc
+
+        def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            self.info["fc_forward"] = {
+                "input": str(args[0].dtype), "weight": str(mod.weight.dtype), "output": str(output.dtype)
+            }
+
+        fc.register_forward_hook(hook)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        model = trainer.strategy.model
+        units = fsdp_units(model)
+        info = self.info
+        info["rank"] = trainer.global_rank
+        info["world_size"] = trainer.world_size
+        info["losses"] = self.losses
+        info["global_step"] = trainer.global_step
+        info["seen_dtypes"] = pl_module.seen_dtypes
+        info["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+        info["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        info["precision_plugin"] = type(trainer.strategy.precision_plugin).__name__
+        info["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        info["units"] = []
+        for name, unit in units:
+            entry = {
+                "name": name,
+                "sharding_strategy": unit.sharding_strategy.name,
+                "forward_prefetch": unit.forward_prefetch,
+                "limit_all_gathers": unit.limit_all_gathers,
+                "backward_prefetch": None if unit.backward_prefetch is None else unit.backward_prefetch.name,
+                "use_orig_params": unit._use_orig_params,
+                "compute_device": str(unit.compute_device),
+                "cpu_offload": unit.cpu_offload.offload_params,
+                "mixed_precision": str(unit.mixed_precision),
+            }
+            if unit._handle is not None:
+                flat = unit._handle.flat_param
+                entry["local_numel"] = flat.numel()
+                entry["unsharded_numel"] = flat._unpadded_unsharded_size.numel()
+                entry["fqns"] = list(flat._fqns)
+            info["units"].append(entry)
+        if units:
+            root = units[0][1]
+            info["ignored_params"] = sorted(
+                n for n, p in pl_module.named_parameters() if p in getattr(root, "_ignored_params", set())
+            )
+        if "dynamo" in self.cfg.get("probes", []):
+            from torch._dynamo.utils import counters
+
+            info["dynamo_frames_ok"] = int(counters["frames"]["ok"])
+        write_json(self.out, f"rank{trainer.global_rank}.json", info)
+
+
+def main() -> None:
+    cfg = load_config()
+    out = Path(cfg["out"])
+    L.seed_everything(cfg.get("seed", 7), workers=True)
+    module = Module(**cfg.get("module", {}))
+    strategy_cfg = cfg.get("strategy", {})
+    trainer_kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=cfg.get("max_steps", 4),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=True,
+    )
+    trainer_kwargs.update(cfg.get("trainer", {}))
+    if strategy_cfg == "reference":
+        trainer_kwargs.update(devices=1, strategy="auto")
+    else:
+        trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
+    callbacks = [Probe(out, cfg)]
+    trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
+    with trainer.init_module(empty_init=cfg.get("empty_init", False)) if cfg.get("init_module") else _null():
+        pass
+    trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
+    if cfg.get("save_path"):
+        trainer.save_checkpoint(cfg["save_path"])
+    model = trainer.strategy.model
+    if strategy_cfg == "reference":
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    else:
+        state = formats.model_state_dict(model, "full", "cpu")
+    if trainer.global_rank == 0:
+        state = {k.removeprefix("net."): v for k, v in state.items()}
+        opt = trainer.optimizers[0]
+        torch.save({"weights": state, "lr": opt.param_groups[0]["lr"], "step": trainer.global_step},
+                   out / "final.pt")
+    if os.environ.get("SCENARIO_PRINT_DONE"):
+        print("done", trainer.global_rank)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    main()
