@@ -64,7 +64,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
             given, this argument wins for FSDP's dtypes and a warning says so.
         ignored_modules: modules, or their names relative to the LightningModule, that FSDP leaves unsharded.
         ignored_states: parameters or modules (objects or names) that FSDP does not manage.
-        param_init_fn: called on each module still on the meta device to materialise it.
+        param_init_fn: called on each module still on the meta device to materialise it (a callable or its
+            dotted path). Without it, FSDP calls ``reset_parameters()`` of each meta module.
         device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``.
         sync_module_states: broadcast rank 0's parameters and buffers at wrap time.
         forward_prefetch: prefetch the next all-gather during the forward pass.
@@ -101,7 +102,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         mixed_precision: dict[str, Any] | MixedPrecision | None = None,
         ignored_modules: list[str] | list[Module] | None = None,
         ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
-        param_init_fn: Callable[[Module], None] | None = None,
+        param_init_fn: str | Callable[[Module], None] | None = None,
         device_id: int | str | torch.device | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
@@ -257,14 +258,19 @@ class GaudiFSDPStrategy(FSDPStrategy):
             model = super()._setup_model(model)
         else:
             self._warn_if_precision_overlaps()
+            kwargs = dict(self.kwargs)
+            if kwargs.get("sync_module_states") and self._fsdp_device().type == "cpu":
+                # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
+                _broadcast_module_states(model)
+                kwargs["sync_module_states"] = False
             model = FSDP(
                 module=model,
-                cpu_offload=self.cpu_offload,
+                cpu_offload=self._effective_cpu_offload(),
                 mixed_precision=self.mixed_precision_config,
                 sharding_strategy=self.sharding_strategy,
                 device_id=self._fsdp_device(),
                 **self._resolve_ignored(model),
-                **self.kwargs,
+                **kwargs,
             )
             _move_torchmetrics_to_device(model, self.root_device)
             _apply_activation_checkpointing(model, self._activation_checkpointing_kwargs)
@@ -280,6 +286,23 @@ class GaudiFSDPStrategy(FSDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
             rank_zero_info(_report.configuration_table(self))
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._compile_kwargs is not None:
+            # FSDP keeps the sharded gradient on the flat parameter while the next forward unshards its data;
+            # dynamo cannot trace a tensor whose .grad has another size. The step consumed the gradients and the
+            # next backward would zero them anyway, so drop them now.
+            optimizer.zero_grad(set_to_none=True)
+        return output
+
+    def _effective_cpu_offload(self) -> CPUOffload:
+        if self.cpu_offload.offload_params and self._fsdp_device().type == "cpu":
+            # FSDP pins offloaded shards, which needs an accelerator; on a CPU run they already live in CPU memory.
+            rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
+            return CPUOffload(offload_params=False)
+        return self.cpu_offload
 
     def _warn_if_precision_overlaps(self) -> None:
         plugin_precision = self.precision_plugin.precision
@@ -395,6 +418,8 @@ def _resolve_timeout(value: timedelta | float | None) -> timedelta | None:
 
 
 def _resolve_callable(value: Any, argument: str) -> Any:
+    if isinstance(value, str):
+        value = options.import_object(value, argument)
     if value is not None and not callable(value):
         raise TypeError(f"{argument} must be a callable or None, got {type(value).__name__} {value!r}")
     return value
@@ -427,17 +452,25 @@ def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) ->
 
 
 def _apply_compile(model: Module, kwargs: Mapping[str, Any], device_type: str) -> list[str]:
-    """Compile each non-root FSDP unit's inner module in place (the FSDP wrappers and their hooks stay eager);
-    with no inner units, compile the children of the wrapped LightningModule."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
+    """Compile the FSDP root in place (``nn.Module.compile``): the module stays an FSDP instance, so checkpoint
+    contexts keep working, and dynamo traces through FSDP's hooks (it needs ``use_orig_params=True``)."""
     kwargs = dict(kwargs)
     kwargs.setdefault("backend", gaudi.default_compile_backend(device_type))
     gaudi.prepare_compile_backend(kwargs["backend"])
-    targets = [(n, m.module) for n, m in model.named_modules() if isinstance(m, FSDP) and m is not model]
-    if not targets:
-        inner = model.module if isinstance(model, FSDP) else model
-        targets = list(inner.named_children())
-    for _, module in targets:
-        module.compile(**kwargs)
-    return [name for name, _ in targets]
+    model.compile(**kwargs)
+    return [""]
+
+
+def _broadcast_module_states(module: Module) -> None:
+    """Copy rank 0's parameters and buffers to every rank (what ``sync_module_states`` does on accelerators)."""
+    states = [t for t in (*module.parameters(), *module.buffers())]
+    if any(t.is_meta for t in states):
+        raise ValueError(
+            "sync_module_states=True on CPU needs a materialised model, but it has meta-device tensors; "
+            "use param_init_fn (or reset_parameters) with the same seed on every rank instead"
+        )
+    if not torch.distributed.is_initialized():
+        return
+    with torch.no_grad():
+        for tensor in states:
+            torch.distributed.broadcast(tensor.data, src=0)

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 FEATURES = 16
 
@@ -72,7 +72,8 @@ class Module(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            self.net = Net(self.hparams.depth)
+            with torch.device("meta"):
+                self.net = Net(self.hparams.depth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -92,7 +93,13 @@ class Module(L.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(RandomRegression(), batch_size=self.hparams.batch_size, shuffle=False)
+        # Lightning's own distributed sampler always shuffles training data; parity with one process on the
+        # global batch needs rank r to see samples r, r + N, ... of each global batch, in order.
+        data = RandomRegression()
+        sampler = None
+        if torch.distributed.is_initialized():
+            sampler = DistributedSampler(data, shuffle=False)
+        return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(RandomRegression(64, seed=99), batch_size=self.hparams.batch_size)
@@ -120,3 +127,11 @@ def write_json(out: Path, name: str, data: Any) -> None:
     tmp = out / f".{name}.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str))
     tmp.replace(out / name)
+
+
+def fill_init(module: nn.Module) -> None:
+    """A ``param_init_fn`` for meta-device models: materialise on CPU and fill with a recognisable constant."""
+    module.to_empty(device=torch.device("cpu"), recurse=False)
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            p.fill_(0.125)

@@ -109,7 +109,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        use_distributed_sampler=True,
+        use_distributed_sampler=False,
     )
     trainer_kwargs.update(cfg.get("trainer", {}))
     if strategy_cfg == "reference":

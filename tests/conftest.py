@@ -1,0 +1,90 @@
+"""Fixtures: run a multi-process scenario script in a subprocess with a hard timeout, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+DEFAULT_TIMEOUT = 180
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Each scenario gets its own port range from Lightning's launcher; keep stray variables of an outer run out.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    return env
+
+
+class ScenarioResult:
+    def __init__(self, out: Path, proc: subprocess.CompletedProcess[str]) -> None:
+        self.out = out
+        self.proc = proc
+
+    def rank(self, r: int) -> dict[str, Any]:
+        return json.loads((self.out / f"rank{r}.json").read_text())
+
+    def final(self) -> dict[str, Any]:
+        import torch
+
+        return torch.load(self.out / "final.pt", weights_only=False)
+
+
+def run_script(
+    script: str, cfg: dict[str, Any], tmp_path: Path, timeout: float = DEFAULT_TIMEOUT, expect_ok: bool = True
+) -> ScenarioResult:
+    out = Path(cfg.setdefault("out", str(tmp_path / "out")))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file = out / "config.json"
+    cfg_file.write_text(json.dumps(cfg))
+    cmd = [sys.executable, str(SCENARIOS / script), str(cfg_file)]
+    proc = subprocess.Popen(
+        cmd, cwd=SCENARIOS, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # the ranks Lightning launches share this process group: one kill takes all
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"scenario {script} hung for more than {timeout}s:\n{_tail(stdout)}\n{_tail(stderr)}")
+    finally:
+        _kill_leftovers(proc.pid)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"scenario {script} failed with exit code {proc.returncode}:\n{_tail(stdout)}\n{_tail(stderr)}")
+    return ScenarioResult(out, result)
+
+
+def _tail(text: str | None, n: int = 4000) -> str:
+    return (text or "")[-n:]
+
+
+def _kill_leftovers(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.fixture
+def scenario(tmp_path: Path):
+    """``scenario(cfg)`` runs ``scenarios/train.py`` (or ``script=``) with ``cfg`` and returns its results."""
+
+    def run(cfg: dict[str, Any], script: str = "train.py", **kwargs: Any) -> ScenarioResult:
+        sub = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        sub.mkdir()
+        cfg = dict(cfg)
+        cfg.setdefault("out", str(sub / "out"))
+        return run_script(script, cfg, sub, **kwargs)
+
+    return run

@@ -1,0 +1,175 @@
+"""Real 2-process (and 4-process) FSDP training on CPU over gloo: each strategy argument shows its effect."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+BLOCK = "common.Block"
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_two_ranks_match_one_process_on_the_global_batch(scenario, sharding):
+    steps = 5
+    reference = scenario({"strategy": "reference", "max_steps": steps, "module": {"batch_size": 8}})
+    sharded = scenario({
+        "strategy": {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK]},
+        "max_steps": steps,
+        "module": {"batch_size": 4},
+    })
+    ref, got = reference.final(), sharded.final()
+    assert got["step"] == ref["step"] == steps
+    _assert_same_weights(got["weights"], ref["weights"], atol=1e-5)
+    # the run really moved the weights (a parity test on untouched weights proves nothing)
+    initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()["weights"]
+    assert any(not torch.allclose(initial[k], ref["weights"][k]) for k in initial)
+
+
+@pytest.fixture(scope="module")
+def full_shard_run(tmp_path_factory):
+    from conftest import run_script
+
+    cfg = {
+        "strategy": {
+            "sharding_strategy": "full_shard",
+            "auto_wrap_policy": [BLOCK],
+            "activation_checkpointing_policy": [BLOCK],
+            "backward_prefetch": "backward_post",
+            "forward_prefetch": True,
+            "limit_all_gathers": False,
+            "ignored_modules": ["net.head"],
+        },
+        "max_steps": 3,
+    }
+    return run_script("train.py", cfg, tmp_path_factory.mktemp("full_shard"))
+
+
+def test_full_shard_gives_each_rank_half_of_every_flat_parameter(full_shard_run):
+    for rank in (0, 1):
+        units = [u for u in full_shard_run.rank(rank)["units"] if "local_numel" in u]
+        assert len(units) == 3  # the three blocks; the root holds nothing once the head is ignored
+        for unit in units:
+            assert unit["local_numel"] == math.ceil(unit["unsharded_numel"] / 2)
+
+
+def test_auto_wrap_policy_makes_one_unit_per_block(full_shard_run):
+    names = [u["name"] for u in full_shard_run.rank(0)["units"]]
+    assert len(names) == 4
+    assert [n.rsplit(".", 2)[-2:] for n in names[1:]] == [["blocks", "0"], ["blocks", "1"], ["blocks", "2"]]
+
+
+def test_ignored_module_stays_whole_on_every_rank(full_shard_run):
+    for rank in (0, 1):
+        info = full_shard_run.rank(rank)
+        assert info["ignored_params"] == ["net.head.bias", "net.head.weight"]
+        assert all("head" not in f for u in info["units"] for f in u.get("fqns", []))
+
+
+def test_activation_checkpointing_wraps_each_block(full_shard_run):
+    assert full_shard_run.rank(0)["checkpoint_wrappers"] == 3
+
+
+def test_prefetch_and_limit_settings_reach_every_unit(full_shard_run):
+    for unit in full_shard_run.rank(1)["units"]:
+        assert unit["forward_prefetch"] is True
+        assert unit["limit_all_gathers"] is False
+        assert unit["backward_prefetch"] == "BACKWARD_POST"
+        assert unit["use_orig_params"] is True
+        assert unit["compute_device"] == "cpu"
+
+
+def test_no_shard_keeps_full_parameters_and_use_orig_params_false(scenario):
+    run = scenario({"strategy": {"sharding_strategy": "NO_SHARD", "use_orig_params": False}, "max_steps": 2})
+    (unit,) = run.rank(1)["units"]
+    assert unit["sharding_strategy"] == "NO_SHARD"
+    assert unit["use_orig_params"] is False
+    assert unit["local_numel"] == unit["unsharded_numel"]
+
+
+def test_size_based_policy_from_an_int(scenario):
+    # Each block holds 16*16+16+16+16 = 304 parameters; a threshold of 300 makes each block its own unit.
+    run = scenario({"strategy": {"auto_wrap_policy": 300}, "max_steps": 1})
+    assert len(run.rank(0)["units"]) == 4
+
+
+@pytest.mark.parametrize(("sync", "expected"), [(True, [0.01]), (False, [0.01, 0.02])])
+def test_sync_module_states_broadcasts_rank_zero_weights(scenario, sync, expected):
+    run = scenario({
+        "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": sync},
+        "module": {"rank_dependent_init": True},
+        "max_steps": 1,
+    })
+    assert run.rank(0)["initial_unique_values"] == expected
+
+
+def test_param_init_fn_materialises_a_meta_model(scenario):
+    run = scenario({
+        "strategy": {"auto_wrap_policy": [BLOCK], "param_init_fn": "common.fill_init"},
+        "module": {"meta_init": True},
+        "max_steps": 1,
+    })
+    assert run.rank(0)["initial_unique_values"] == [0.125]
+
+
+def test_mixed_precision_dict_sets_the_dtype_layers_compute_in(scenario):
+    run = scenario({
+        "strategy": {
+            "auto_wrap_policy": [BLOCK],
+            "mixed_precision": {
+                "param_dtype": "bf16",
+                "reduce_dtype": "float32",
+                "buffer_dtype": "torch.bfloat16",
+                "cast_root_forward_inputs": True,
+            },
+        },
+        "max_steps": 2,
+    })
+    info = run.rank(0)
+    assert info["fc_forward"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16", "output": "torch.bfloat16"}
+    # The LightningModule is the FSDP root and training_step runs inside its forward, so the batch reaching
+    # training_step is cast to param_dtype by cast_root_forward_inputs.
+    assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
+
+
+def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario):
+    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": "bf16-mixed"}, "max_steps": 2})
+    info = run.rank(1)
+    assert info["precision_plugin"] == "GaudiFSDPPrecision"
+    # Lightning's own FSDPPrecision autocasts on "cuda" only, which leaves this op in fp32 on a CPU run.
+    assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
+    assert info["fc_forward"]["output"] == "torch.bfloat16"
+
+
+def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):
+    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK], "cpu_offload": True}, "max_steps": 2})
+    assert "cpu_offload=True has no effect when the model already runs on the CPU" in run.proc.stderr
+    assert not any(u["cpu_offload"] for u in run.rank(0)["units"])
+    assert run.rank(0)["global_step"] == 2
+
+
+def test_compile_compiles_each_unit(scenario):
+    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK], "compile": True}, "max_steps": 2, "probes": ["dynamo"]})
+    info = run.rank(0)
+    assert info["compiled_modules"] == 1  # the FSDP root, compiled in place
+    assert info["dynamo_frames_ok"] > 0
+
+
+def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario):
+    run = scenario({
+        "devices": 4,
+        "strategy": {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": [BLOCK]},
+        "max_steps": 2,
+    })
+    for rank in range(4):
+        for unit in run.rank(rank)["units"]:
+            assert unit["sharding_strategy"] == "HYBRID_SHARD"
+            if "local_numel" in unit:
+                assert unit["local_numel"] == math.ceil(unit["unsharded_numel"] / 2)
