@@ -7,6 +7,7 @@ three; the strategy tells it the root device type and the wrapped root module du
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -21,7 +22,11 @@ _LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 class GaudiFSDPPrecision(FSDPPrecision):
     def __init__(self, precision: Any, scaler: Any = None, device_type: str = "cpu") -> None:
-        super().__init__(precision, scaler=scaler)
+        with warnings.catch_warnings():
+            # Lightning builds a CUDA scaler for "16-mixed", which warns and disables itself off CUDA; it is
+            # replaced below by one for the device actually in use.
+            warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+            super().__init__(precision, scaler=scaler)
         self._default_scaler = scaler is None
         self.device_type = device_type
         self._fsdp_root: Module | None = None

@@ -59,6 +59,8 @@ class Module(L.LightningModule):
         depth: int = 3,
         meta_init: bool = False,
         rank_dependent_init: bool = False,
+        n_samples: int = 256,
+        width: int = FEATURES,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -95,7 +97,7 @@ class Module(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         # Lightning's own distributed sampler always shuffles training data; parity with one process on the
         # global batch needs rank r to see samples r, r + N, ... of each global batch, in order.
-        data = RandomRegression()
+        data = RandomRegression(self.hparams.n_samples)
         sampler = None
         if torch.distributed.is_initialized():
             sampler = DistributedSampler(data, shuffle=False)

@@ -116,7 +116,12 @@ def main() -> None:
         trainer_kwargs.update(devices=1, strategy="auto")
     else:
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
-    callbacks = [Probe(out, cfg)]
+    callbacks: list[Callback] = [Probe(out, cfg)]
+    if cfg.get("model_checkpoint"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(**cfg["model_checkpoint"]))
+        trainer_kwargs["enable_checkpointing"] = True
     trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
     with trainer.init_module(empty_init=cfg.get("empty_init", False)) if cfg.get("init_module") else _null():
         pass
@@ -124,14 +129,18 @@ def main() -> None:
     if cfg.get("save_path"):
         trainer.save_checkpoint(cfg["save_path"])
     model = trainer.strategy.model
+    opt = trainer.optimizers[0]
     if strategy_cfg == "reference":
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        optim = opt.state_dict()
     else:
         state = formats.model_state_dict(model, "full", "cpu")
+        optim = formats.optimizer_state_dict(model, opt, "full", "cpu", trainer.global_rank)
     if trainer.global_rank == 0:
         state = {k.removeprefix("net."): v for k, v in state.items()}
-        opt = trainer.optimizers[0]
-        torch.save({"weights": state, "lr": opt.param_groups[0]["lr"], "step": trainer.global_step},
+        schedulers = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        torch.save({"weights": state, "lr": opt.param_groups[0]["lr"], "step": trainer.global_step,
+                    "epoch": trainer.current_epoch, "optimizer": optim, "schedulers": schedulers},
                    out / "final.pt")
     if os.environ.get("SCENARIO_PRINT_DONE"):
         print("done", trainer.global_rank)

@@ -1,0 +1,133 @@
+"""Constructing the strategy: validation before any process starts, registration, Trainer integration."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from lightning_gaudi_fsdp import GaudiAccelerator, GaudiFSDPPrecision, GaudiFSDPStrategy
+
+
+def test_defaults_are_resolved_without_touching_devices():
+    strategy = GaudiFSDPStrategy()
+    assert strategy.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_PRE
+    assert strategy.kwargs["use_orig_params"] is True
+    assert strategy.kwargs["limit_all_gathers"] is True
+    assert strategy._state_dict_type == "full"
+    assert strategy.parallel_devices is None  # nothing probed at construction
+
+
+def test_yaml_spellings_become_torch_objects():
+    strategy = GaudiFSDPStrategy(
+        sharding_strategy="shard_grad_op",
+        auto_wrap_policy=["torch.nn.Linear"],
+        backward_prefetch="backward_post",
+        mixed_precision={"param_dtype": "bf16"},
+        state_dict_type="SHARDED",
+        timeout=30,
+        param_init_fn="torch.nn.init.zeros_",
+    )
+    assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert isinstance(strategy.kwargs["auto_wrap_policy"], ModuleWrapPolicy)
+    assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_POST
+    assert strategy.mixed_precision.param_dtype is torch.bfloat16
+    assert strategy._state_dict_type == "sharded"
+    assert strategy._timeout == timedelta(seconds=30)
+    assert strategy.kwargs["param_init_fn"] is torch.nn.init.zeros_
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sharding_strategy": "FULL"}, ValueError, "sharding_strategy='FULL' is not supported; expected one of"),
+        ({"state_dict_type": "dcp"}, ValueError, "state_dict_type='dcp' is not supported; expected one of 'full'"),
+        ({"sharding_strategy": "HYBRID_SHARD"}, ValueError, "needs at least one of auto_wrap_policy"),
+        ({"state_dict_type": "local", "sharding_strategy": "NO_SHARD"}, ValueError, "needs a sharded strategy"),
+        ({"state_dict_type": "local", "sharding_strategy": "HYBRID_SHARD", "device_mesh": [1, 2]}, ValueError,
+         "cannot be used with a device_mesh"),
+        ({"process_group_backend": "nccl2"}, ValueError,
+         "process_group_backend='nccl2' is not supported; expected one of 'hccl', 'gloo', 'nccl', 'mpi' or None"),
+        ({"timeout": -1}, ValueError, "timeout=-1 is not supported; expected a timedelta or a positive number"),
+        ({"device_id": -1}, ValueError, "device_id=-1 is not supported"),
+        ({"device_id": "gpu7"}, ValueError, "device_id='gpu7' is not a device"),
+        ({"sync_module_states": "yes"}, TypeError, "sync_module_states must be True or False, got str 'yes'"),
+        ({"forward_prefetch": 1}, TypeError, "forward_prefetch must be True or False, got int 1"),
+        ({"limit_all_gathers": None}, TypeError, "limit_all_gathers must be True or False"),
+        ({"use_orig_params": "false"}, TypeError, "use_orig_params must be True or False"),
+        ({"eager_pipeline": "false"}, TypeError, "eager_pipeline must be True or False"),
+        ({"param_init_fn": 3}, TypeError, "param_init_fn must be a callable or None, got int 3"),
+        ({"ignored_modules": ["a"], "ignored_states": ["b"]}, ValueError, "mutually exclusive"),
+        ({"ignored_modules": 5}, TypeError, "ignored_modules must be a list of module names or objects, got int 5"),
+        ({"compile": "inductor"}, TypeError, "compile must be True, False or a dict"),
+        ({"auto_wrap_policy": "mymodel.Layer"}, ValueError, "auto_wrap_policy: cannot import module 'mymodel'"),
+        ({"activation_checkpointing_policy": 3}, TypeError, "activation_checkpointing_policy must be module classes"),
+        ({"mixed_precision": {"param_dtype": "bfloat8"}}, ValueError, r"mixed_precision\['param_dtype'\]='bfloat8'"),
+        ({"device_mesh": [2, 2]}, ValueError, "only applies to hybrid sharding"),
+        ({"cpu_offload": "no"}, TypeError, "cpu_offload must be True or False, got str 'no'"),
+    ],
+)
+def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GaudiFSDPStrategy(**kwargs)
+
+
+def test_registered_names_build_our_strategy():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="gaudi_fsdp", logger=False)
+    assert type(trainer.strategy) is GaudiFSDPStrategy
+    assert isinstance(trainer.strategy.precision_plugin, GaudiFSDPPrecision)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="hpu_fsdp", logger=False)
+    assert type(trainer.strategy) is GaudiFSDPStrategy
+
+
+def test_registration_is_idempotent():
+    import lightning_gaudi_fsdp
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_gaudi_fsdp.register()
+    lightning_gaudi_fsdp.register()
+    assert AcceleratorRegistry["hpu"]["accelerator"] is GaudiAccelerator
+    assert StrategyRegistry["gaudi_fsdp"]["strategy"] is GaudiFSDPStrategy
+
+
+def test_hpu_without_gaudi_says_not_available():
+    with pytest.raises(Exception, match="not available") as info:
+        L.Trainer(accelerator="hpu", devices=1, strategy=GaudiFSDPStrategy(), logger=False)
+    assert "invalid accelerator name" not in str(info.value).lower()
+
+
+def test_trainer_precision_is_kept_and_autocasts_on_the_device_type():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed",
+                        logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, GaudiFSDPPrecision)
+    assert plugin.precision == "bf16-mixed"
+    plugin.set_device_type("cpu")
+    with plugin.forward_context():
+        out = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert out.dtype is torch.bfloat16
+
+
+def test_16_mixed_scaler_targets_the_device_in_use():
+    plugin = GaudiFSDPPrecision("16-mixed")
+    plugin.set_device_type("cpu")
+    assert plugin.scaler is not None
+    assert plugin.scaler._device == "cpu"
+
+
+def test_hccl_on_cpu_is_refused_before_processes_start():
+    strategy = GaudiFSDPStrategy(process_group_backend="hccl")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    with pytest.raises(ValueError, match="process_group_backend='hccl' needs accelerator='hpu'; this run uses 'cpu'"):
+        trainer.strategy._get_process_group_backend()
+
+
+def test_default_backend_on_cpu_is_gloo():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), logger=False)
+    assert trainer.strategy._get_process_group_backend() == "gloo"
