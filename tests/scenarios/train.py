@@ -5,7 +5,6 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +93,17 @@ class Probe(Callback):
         write_json(self.out, f"rank{trainer.global_rank}.json", info)
 
 
+class SaveAtStep(Callback):
+    """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
@@ -117,6 +127,8 @@ def main() -> None:
     else:
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
     callbacks: list[Callback] = [Probe(out, cfg)]
+    if cfg.get("save_at_step"):
+        callbacks.append(SaveAtStep(cfg["save_at_step"], cfg["save_path_in_loop"]))
     if cfg.get("model_checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -142,8 +154,10 @@ def main() -> None:
         torch.save({"weights": state, "lr": opt.param_groups[0]["lr"], "step": trainer.global_step,
                     "epoch": trainer.current_epoch, "optimizer": optim, "schedulers": schedulers},
                    out / "final.pt")
-    if os.environ.get("SCENARIO_PRINT_DONE"):
-        print("done", trainer.global_rank)
+    if torch.distributed.is_initialized():
+        # Leaving gloo's threads to interpreter shutdown sometimes ends in std::terminate.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 class _null:

@@ -138,7 +138,9 @@ def optimizer_state_dict(
         return optimizer.state_dict()
     with state_dict_context(model, fmt, device_type):
         state = FSDP.optim_state_dict(model, optimizer)
-        if fmt == "full" and rank == 0:
+        if fmt == "full" and rank == 0 and getattr(model, "_use_orig_params", False):
+            # torch's standard per-parameter-id form; with use_orig_params=False the parameters a plain optimizer
+            # would see do not exist, so the state stays keyed by parameter name (both forms load here).
             state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
     return state
 
@@ -473,7 +475,7 @@ def _load_sharded(
 
 
 def _load_local(pending: PendingLoad, model: Module, device_type: str) -> None:
-    with state_dict_context(model, "local", device_type):
+    with state_dict_context(model, "local", device_type), torch.no_grad():
         current = model.state_dict()
         for key, value in pending.model_state.items():
             if key.endswith(FLAT_PARAM):

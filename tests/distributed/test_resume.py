@@ -1,0 +1,124 @@
+"""Exact resume: k steps + save + a new process resuming for k more equals 2k steps without stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BLOCK = "common.Block"
+STEPS_PER_EPOCH = 4  # 32 samples, 4 per rank, 2 ranks: resuming at an epoch boundary replays no batch
+
+
+def _save_at(step, path):
+    return {"save_at_step": step, "save_path_in_loop": str(path)}
+
+
+def _module(**extra):
+    return {"n_samples": 32, "batch_size": 4, **extra}
+
+
+def _assert_equal_nested(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs: max {(a.float() - b.float()).abs().max()}"
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), f"{path} keys differ"
+        for k in a:
+            _assert_equal_nested(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal_nested(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _assert_same_run(resumed: dict, straight: dict) -> None:
+    assert resumed["step"] == straight["step"]
+    assert resumed["epoch"] == straight["epoch"]
+    assert resumed["lr"] == straight["lr"]
+    _assert_equal_nested(resumed["weights"], straight["weights"], "weights")  # bitwise
+    _assert_equal_nested(resumed["optimizer"], straight["optimizer"], "optimizer")
+    _assert_equal_nested(resumed["schedulers"], straight["schedulers"], "schedulers")
+
+
+CASES = [
+    ("full", "FULL_SHARD"), ("full", "SHARD_GRAD_OP"), ("full", "NO_SHARD"),
+    ("sharded", "FULL_SHARD"), ("sharded", "SHARD_GRAD_OP"), ("sharded", "NO_SHARD"),
+    ("local", "FULL_SHARD"), ("local", "SHARD_GRAD_OP"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "sharding"), CASES)
+def test_resume_equals_uninterrupted_run(scenario, tmp_path, fmt, sharding):
+    strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    k = STEPS_PER_EPOCH
+    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    ckpt = tmp_path / f"ckpt-{fmt}"
+    first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
+    assert first.final()["step"] == k
+    assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
+    resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
+    _assert_same_run(resumed.final(), straight)
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_use_orig_params_false_resumes_exactly(scenario, tmp_path, fmt):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "use_orig_params": False}
+    k = STEPS_PER_EPOCH
+    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    ckpt = tmp_path / "ckpt"
+    scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
+    resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
+    _assert_same_run(resumed.final(), straight)
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_sgd_without_momentum_resumes(scenario, tmp_path, fmt):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    module = _module(optimizer="sgd")
+    k = STEPS_PER_EPOCH
+    straight = scenario({"strategy": strategy, "module": module, "max_steps": 2 * k}).final()
+    ckpt = tmp_path / "ckpt"
+    scenario({"strategy": strategy, "module": module, "max_steps": k, **_save_at(k, ckpt)})
+    resumed = scenario({"strategy": strategy, "module": module, "max_steps": 2 * k, "ckpt_path": str(ckpt)})
+    _assert_same_run(resumed.final(), straight)
+
+
+def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    k = STEPS_PER_EPOCH
+    dirpath = tmp_path / "ckpts"
+    callback = {"dirpath": str(dirpath), "save_last": True, "save_top_k": 2, "monitor": "train_loss",
+                "every_n_train_steps": 2}
+    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    scenario({"strategy": strategy, "module": _module(), "max_steps": k, "model_checkpoint": callback})
+    saved = sorted(p.name for p in dirpath.iterdir())
+    assert "last.ckpt" in saved
+    assert len([n for n in saved if n != "last.ckpt" and not n.startswith(".")]) == 2  # top-k kept exactly two
+    assert not [n for n in saved if n.startswith(".")]  # no staging leftovers
+    resumed = scenario({
+        "strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": "last", "model_checkpoint": callback
+    })
+    _assert_same_run(resumed.final(), straight)
+
+
+def test_weights_only_checkpoint_restores_weights(scenario, tmp_path):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    dirpath = tmp_path / "w"
+    callback = {"dirpath": str(dirpath), "save_weights_only": True, "filename": "weights", "save_last": False}
+    first = scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "model_checkpoint": callback})
+    saved = torch.load(dirpath / "weights.ckpt" / "meta.pt", weights_only=False)
+    assert "optimizer_states" not in saved
+    assert first.final()["step"] == 4
+
+
+def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    ckpt = tmp_path / "ckpt"
+    two = scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "save_path": str(ckpt)}).final()
+    one = scenario({
+        "devices": 1, "strategy": strategy, "module": _module(), "max_steps": 4, "ckpt_path": str(ckpt)
+    }).final()
+    # max_steps already reached: the one-rank run only loads, so its weights are the two-rank run's
+    _assert_equal_nested(one["weights"], two["weights"], "weights")
+    assert one["step"] == 4
