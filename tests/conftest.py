@@ -39,16 +39,12 @@ class ScenarioResult:
         return torch.load(self.out / "final.pt", weights_only=False)
 
 
-def run_script(
-    script: str, cfg: dict[str, Any], tmp_path: Path, timeout: float = DEFAULT_TIMEOUT, expect_ok: bool = True
-) -> ScenarioResult:
-    out = Path(cfg.setdefault("out", str(tmp_path / "out")))
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_file = out / "config.json"
-    cfg_file.write_text(json.dumps(cfg))
-    cmd = [sys.executable, str(SCENARIOS / script), str(cfg_file)]
+def run_command(
+    cmd: list[str], cwd: Path, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (every rank) and fail the test."""
     proc = subprocess.Popen(
-        cmd, cwd=SCENARIOS, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # the ranks Lightning launches share this process group: one kill takes all
     )
     try:
@@ -56,12 +52,23 @@ def run_script(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"scenario {script} hung for more than {timeout}s:\n{_tail(stdout)}\n{_tail(stderr)}")
+        pytest.fail(f"{cmd} hung for more than {timeout}s:\n{_tail(stdout)}\n{_tail(stderr)}")
     finally:
         _kill_leftovers(proc.pid)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    if expect_ok and proc.returncode != 0:
-        pytest.fail(f"scenario {script} failed with exit code {proc.returncode}:\n{_tail(stdout)}\n{_tail(stderr)}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def run_script(
+    script: str, cfg: dict[str, Any], tmp_path: Path, timeout: float = DEFAULT_TIMEOUT, expect_ok: bool = True
+) -> ScenarioResult:
+    out = Path(cfg.setdefault("out", str(tmp_path / "out")))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file = out / "config.json"
+    cfg_file.write_text(json.dumps(cfg))
+    result = run_command([sys.executable, str(SCENARIOS / script), str(cfg_file)], SCENARIOS, timeout)
+    if expect_ok and result.returncode != 0:
+        pytest.fail(f"scenario {script} failed with exit code {result.returncode}:\n{_tail(result.stdout)}\n"
+                    f"{_tail(result.stderr)}")
     return ScenarioResult(out, result)
 
 
