@@ -158,8 +158,13 @@ class GaudiCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    GaudiCLI(LlamaLM, StrideDataModule, trainer_defaults={"callbacks": [LossSummary()]}, args=args,
-             save_config_kwargs={"overwrite": True})
+    GaudiCLI(
+        LlamaLM,
+        StrideDataModule,
+        trainer_defaults={"callbacks": [LossSummary()]},
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,7 +45,12 @@ def run_command(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (every rank) and fail the test."""
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        cwd=cwd,
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # the ranks Lightning launches share this process group: one kill takes all
     )
     try:
@@ -67,8 +73,10 @@ def run_script(
     cfg_file.write_text(json.dumps(cfg))
     result = run_command([sys.executable, str(SCENARIOS / script), str(cfg_file)], SCENARIOS, timeout)
     if expect_ok and result.returncode != 0:
-        pytest.fail(f"scenario {script} failed with exit code {result.returncode}:\n{_tail(result.stdout)}\n"
-                    f"{_tail(result.stderr)}")
+        pytest.fail(
+            f"scenario {script} failed with exit code {result.returncode}:\n{_tail(result.stdout)}\n"
+            f"{_tail(result.stderr)}"
+        )
     return ScenarioResult(out, result)
 
 
@@ -77,10 +85,8 @@ def _tail(text: str | None, n: int = 4000) -> str:
 
 
 def _kill_leftovers(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ def test_toy_example_trains_on_two_cpu_processes(tmp_path):
     proc = _run([str(ROOT / "examples" / "toy_example.py"), "--iterations", "3", "--ws", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Running on CPU processes (gloo), no Gaudi found with 2 processes" in proc.stdout
-    assert "rank 0: All done" in proc.stdout and "rank 1: All done" in proc.stdout
+    assert "rank 0: All done" in proc.stdout
+    assert "rank 1: All done" in proc.stdout
 
 
 def test_llama_rehearsal_loss_falls(tmp_path):
@@ -50,8 +51,10 @@ def test_print_config_round_trips(tmp_path):
     assert strategy["sharding_strategy"] == "full_shard"
     assert strategy["state_dict_type"] == "sharded"
     # ...and the printed config trains
-    run = _run([str(LLAMA), "fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.val_check_interval",
-                "3"], tmp_path)
+    run = _run(
+        [str(LLAMA), "fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3"],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "steps=3" in run.stdout
 
@@ -70,8 +73,10 @@ def _with_strategy(tmp_path: Path, strategy: object) -> Path:
     ("init_args", "message"),
     [
         ({"sharding_strategy": "full"}, "sharding_strategy='full' is not supported; expected one of 'FULL_SHARD'"),
-        ({"auto_wrap_policy": ["transformers.models.llama.modeling_llama.LlamaDecoderLayr"]},
-         "has no attribute 'LlamaDecoderLayr'; did you mean"),
+        (
+            {"auto_wrap_policy": ["transformers.models.llama.modeling_llama.LlamaDecoderLayr"]},
+            "has no attribute 'LlamaDecoderLayr'; did you mean",
+        ),
         ({"limit_all_gather": True}, "limit_all_gather"),
         ({"mixed_precision": {"param_dtype": "bfloat17"}}, "mixed_precision['param_dtype']='bfloat17'"),
     ],

@@ -30,8 +30,11 @@ def test_sharding_strategy_names_in_any_case(value, expected):
 
 
 def test_sharding_strategy_error_lists_accepted_values():
-    with pytest.raises(ValueError, match=r"^sharding_strategy='FULL' is not supported; expected one of 'FULL_SHARD', "
-                       r"'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sharding_strategy='FULL' is not supported; expected one of 'FULL_SHARD', "
+        r"'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2'$",
+    ):
         options.resolve_sharding_strategy("FULL")
     with pytest.raises(TypeError, match="sharding_strategy must be a string or a ShardingStrategy, got int 3"):
         options.resolve_sharding_strategy(3)
@@ -42,31 +45,47 @@ def test_backward_prefetch():
     assert options.resolve_backward_prefetch(BackwardPrefetch.BACKWARD_PRE) is BackwardPrefetch.BACKWARD_PRE
     assert options.resolve_backward_prefetch(None) is None
     assert options.resolve_backward_prefetch("None") is None
-    with pytest.raises(ValueError, match="backward_prefetch='PRE' is not supported; expected one of 'BACKWARD_PRE', "
-                       "'BACKWARD_POST'"):
+    with pytest.raises(
+        ValueError, match="backward_prefetch='PRE' is not supported; expected one of 'BACKWARD_PRE', 'BACKWARD_POST'"
+    ):
         options.resolve_backward_prefetch("PRE")
 
 
 @pytest.mark.parametrize(
     ("value", "dtype"),
-    [("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
-     ("float32", torch.float32), ("FP16", torch.float16), (torch.float64, torch.float64)],
+    [
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("torch.bfloat16", torch.bfloat16),
+        ("float32", torch.float32),
+        ("FP16", torch.float16),
+        (torch.float64, torch.float64),
+    ],
 )
 def test_dtype_names(value, dtype):
     assert options.resolve_dtype(value) is dtype
 
 
 def test_dtype_error_names_argument():
-    with pytest.raises(ValueError, match=r"^mixed_precision\['param_dtype'\]='int8' is not supported; expected one of "
-                       r"'bfloat16', 'bf16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^mixed_precision\['param_dtype'\]='int8' is not supported; expected one of "
+        r"'bfloat16', 'bf16'",
+    ):
         options.resolve_mixed_precision({"param_dtype": "int8"})
 
 
 def test_mixed_precision_from_dict():
-    mp = options.resolve_mixed_precision({
-        "param_dtype": "bf16", "reduce_dtype": "float32", "buffer_dtype": "torch.bfloat16",
-        "keep_low_precision_grads": True, "cast_forward_inputs": True, "cast_root_forward_inputs": False,
-    })
+    mp = options.resolve_mixed_precision(
+        {
+            "param_dtype": "bf16",
+            "reduce_dtype": "float32",
+            "buffer_dtype": "torch.bfloat16",
+            "keep_low_precision_grads": True,
+            "cast_forward_inputs": True,
+            "cast_root_forward_inputs": False,
+        }
+    )
     assert mp == MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16, True, True, False)
     same = MixedPrecision(param_dtype=torch.float16)
     assert options.resolve_mixed_precision(same) is same
@@ -74,11 +93,17 @@ def test_mixed_precision_from_dict():
 
 
 def test_mixed_precision_errors():
-    with pytest.raises(ValueError, match=r"mixed_precision has unknown key\(s\) 'recude_dtype'; expected any of "
-                       r"'param_dtype', 'reduce_dtype'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mixed_precision has unknown key\(s\) 'recude_dtype'; expected any of "
+        r"'param_dtype', 'reduce_dtype'",
+    ):
         options.resolve_mixed_precision({"recude_dtype": "bf16"})
-    with pytest.raises(TypeError, match=r"mixed_precision\['keep_low_precision_grads'\] must be True or False, got "
-                       r"str 'yes'"):
+    with pytest.raises(
+        TypeError,
+        match=r"mixed_precision\['keep_low_precision_grads'\] must be True or False, got "
+        r"str 'yes'",
+    ):
         options.resolve_mixed_precision({"keep_low_precision_grads": "yes"})
     with pytest.raises(TypeError, match="mixed_precision must be a dict or a MixedPrecision, got str 'bf16'"):
         options.resolve_mixed_precision("bf16")
@@ -115,8 +140,11 @@ def test_auto_wrap_policy_callable_passes_through():
 
 
 def test_auto_wrap_policy_errors():
-    with pytest.raises(ValueError, match=r"auto_wrap_policy: module 'torch.nn' has no attribute 'Linearr'; did you "
-                       r"mean 'torch.nn.Linear'"):
+    with pytest.raises(
+        ValueError,
+        match=r"auto_wrap_policy: module 'torch.nn' has no attribute 'Linearr'; did you "
+        r"mean 'torch.nn.Linear'",
+    ):
         options.resolve_auto_wrap_policy(["torch.nn.Linearr"])
     with pytest.raises(ValueError, match="auto_wrap_policy: cannot import module 'no_such_pkg'"):
         options.resolve_auto_wrap_policy("no_such_pkg.Layer")
@@ -131,7 +159,8 @@ def test_auto_wrap_policy_errors():
 def test_activation_checkpointing_policy():
     kwargs = options.resolve_activation_checkpointing_policy(["torch.nn.Linear"])
     check = kwargs["check_fn"]
-    assert check(torch.nn.Linear(2, 2)) and not check(torch.nn.ReLU())
+    assert check(torch.nn.Linear(2, 2))
+    assert not check(torch.nn.ReLU())
     assert options.resolve_activation_checkpointing_policy(None) == {}
     policy = ModuleWrapPolicy({torch.nn.Linear})
     assert options.resolve_activation_checkpointing_policy(policy) == {"auto_wrap_policy": policy}
@@ -141,8 +170,9 @@ def test_activation_checkpointing_policy():
 def test_state_dict_type():
     assert options.resolve_state_dict_type("FULL") == "full"
     assert options.resolve_state_dict_type("Local") == "local"
-    with pytest.raises(ValueError, match="state_dict_type='distributed' is not supported; expected one of 'full', "
-                       "'sharded', 'local'"):
+    with pytest.raises(
+        ValueError, match="state_dict_type='distributed' is not supported; expected one of 'full', 'sharded', 'local'"
+    ):
         options.resolve_state_dict_type("distributed")
 
 
@@ -155,15 +185,19 @@ def test_device_mesh():
 
 
 def test_hybrid_needs_a_policy_group_or_mesh():
-    with pytest.raises(ValueError, match="sharding_strategy='HYBRID_SHARD' needs at least one of auto_wrap_policy, "
-                       "process_group or device_mesh"):
+    with pytest.raises(
+        ValueError,
+        match="sharding_strategy='HYBRID_SHARD' needs at least one of auto_wrap_policy, process_group or device_mesh",
+    ):
         options.check_hybrid_requirements(ShardingStrategy.HYBRID_SHARD, None, None, None)
     with pytest.raises(ValueError, match="device_mesh=.* only applies to hybrid sharding"):
         options.check_hybrid_requirements(ShardingStrategy.FULL_SHARD, None, None, (2, 2))
 
 
 def test_local_state_dict_rejects_no_shard_and_mesh():
-    with pytest.raises(ValueError, match="state_dict_type='local' needs a sharded strategy; sharding_strategy='NO_SHARD'"):
+    with pytest.raises(
+        ValueError, match="state_dict_type='local' needs a sharded strategy; sharding_strategy='NO_SHARD'"
+    ):
         options.check_state_dict_type("local", ShardingStrategy.NO_SHARD, None)
     with pytest.raises(ValueError, match="state_dict_type='local' cannot be used with a device_mesh"):
         options.check_state_dict_type("local", ShardingStrategy.HYBRID_SHARD, (2, 2))

@@ -49,10 +49,16 @@ def test_yaml_spellings_become_torch_objects():
         ({"state_dict_type": "dcp"}, ValueError, "state_dict_type='dcp' is not supported; expected one of 'full'"),
         ({"sharding_strategy": "HYBRID_SHARD"}, ValueError, "needs at least one of auto_wrap_policy"),
         ({"state_dict_type": "local", "sharding_strategy": "NO_SHARD"}, ValueError, "needs a sharded strategy"),
-        ({"state_dict_type": "local", "sharding_strategy": "HYBRID_SHARD", "device_mesh": [1, 2]}, ValueError,
-         "cannot be used with a device_mesh"),
-        ({"process_group_backend": "nccl2"}, ValueError,
-         "process_group_backend='nccl2' is not supported; expected one of 'hccl', 'gloo', 'nccl', 'mpi' or None"),
+        (
+            {"state_dict_type": "local", "sharding_strategy": "HYBRID_SHARD", "device_mesh": [1, 2]},
+            ValueError,
+            "cannot be used with a device_mesh",
+        ),
+        (
+            {"process_group_backend": "nccl2"},
+            ValueError,
+            "process_group_backend='nccl2' is not supported; expected one of 'hccl', 'gloo', 'nccl', 'mpi' or None",
+        ),
         ({"timeout": -1}, ValueError, "timeout=-1 is not supported; expected a timedelta or a positive number"),
         ({"device_id": -1}, ValueError, "device_id=-1 is not supported"),
         ({"device_id": "gpu7"}, ValueError, "device_id='gpu7' is not a device"),
@@ -86,9 +92,10 @@ def test_registered_names_build_our_strategy():
 
 
 def test_registration_is_idempotent():
-    import lightning_gaudi_fsdp
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gaudi_fsdp
 
     lightning_gaudi_fsdp.register()
     lightning_gaudi_fsdp.register()
@@ -103,8 +110,9 @@ def test_hpu_without_gaudi_says_not_available():
 
 
 def test_trainer_precision_is_kept_and_autocasts_on_the_device_type():
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed",
-                        logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed", logger=False
+    )
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, GaudiFSDPPrecision)
     assert plugin.precision == "bf16-mixed"

@@ -44,16 +44,20 @@ def fsdp_unit_count(model: Module) -> int:
 
 
 def configuration_table(strategy: GaudiFSDPStrategy) -> str:
-    model = strategy.model
-    assert model is not None
+    model = strategy._wrapped_model()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    flat_params = {id(m._handle.flat_param): m._handle.flat_param for m in model.modules()
-                   if isinstance(m, FSDP) and m._handle is not None}
+    flat_params = {
+        id(m._handle.flat_param): m._handle.flat_param
+        for m in model.modules()
+        if isinstance(m, FSDP) and m._handle is not None
+    }
     held = sum(p.numel() for p in flat_params.values())
     mp = strategy.mixed_precision_config
-    dtypes = "fp32 (no FSDP mixed precision)" if mp is None else (
-        f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
+    dtypes = (
+        "fp32 (no FSDP mixed precision)"
+        if mp is None
+        else (f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}")
     )
     rows = [
         ("sharding", strategy.sharding_strategy.name),

@@ -1,1 +1,112 @@
-def main() -> int:\n    return 0
+"""``lightning-gaudi-fsdp`` (also ``python -m lightning_gaudi_fsdp``): inspect, convert, doctor.
+
+Each command parses its arguments, calls library functions, prints, and returns an exit code: 0 on success, 1 when
+``doctor`` finds a blocking problem, 2 for a bad path, format or argument (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _progress(items: Iterable[T], description: str, total: int) -> Iterable[T]:
+    from tqdm import tqdm
+
+    return tqdm(items, desc=description, total=total, unit="step", file=sys.stderr, leave=False)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def _table(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from lightning_gaudi_fsdp.checkpoint.convert import describe
+
+    info = describe(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    rows = [
+        ("path", info["path"]),
+        ("format", info["format"]),
+        ("world size (writer)", "any (full file)" if info["world_size"] is None else str(info["world_size"])),
+        ("parameters", f"{info['parameters']:,}"),
+        ("bytes", _human_bytes(info["bytes"])),
+        ("dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["dtypes"].items()) or "-"),
+        ("optimizer state", "yes" if info["optimizer"] else "no"),
+        ("epoch / step", f"{info['epoch']} / {info['global_step']}"),
+        ("lightning", str(info.get("lightning_version"))),
+    ]
+    if info["format"] == "local":
+        rows += [("sharding strategy", str(info["sharding_strategy"])), ("FSDP units", str(info["fsdp_units"]))]
+        rows += [(f"version {k}", v) for k, v in info["versions"].items()]
+    print(_table(rows))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
+    notes = convert(args.src, args.dst, args.to, progress=_progress)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {args.to} checkpoint {args.dst}")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from lightning_gaudi_fsdp import _doctor
+
+    checks = _doctor.run_checks(args.accelerator)
+    print(_doctor.render(checks))
+    return 0 if all(c.ok or not c.blocking for c in checks) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-gaudi-fsdp", description="Checkpoint tools and environment checks for Lightning FSDP on Gaudi."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="describe a full, sharded or local checkpoint")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.set_defaults(func=_cmd_inspect)
+    p = sub.add_parser("convert", help="convert a checkpoint offline (no process group, no device)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["full", "sharded"])
+    p.set_defaults(func=_cmd_convert)
+    p = sub.add_parser("doctor", help="check this machine for FSDP on Gaudi (or a CPU rehearsal)")
+    p.add_argument(
+        "--accelerator",
+        choices=["auto", "hpu", "cpu"],
+        default="auto",
+        help="what the run will use (auto: hpu when the Habana bridge is installed, else cpu)",
+    )
+    p.set_defaults(func=_cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        print(f"lightning-gaudi-fsdp {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -24,7 +24,13 @@ LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
 EAGER_PIPELINE_ENV = "PT_HPU_EAGER_PIPELINE_ENABLE"
 HCCL_MODULE = "habana_frameworks.torch.distributed.hccl"
 COMPILE_BACKEND = "hpu_backend"
-RELEVANT_ENV = (LAZY_MODE_ENV, EAGER_PIPELINE_ENV, "HABANA_VISIBLE_DEVICES", "HABANA_VISIBLE_MODULES", "PT_HPU_LOG_MOD_MASK")
+RELEVANT_ENV = (
+    LAZY_MODE_ENV,
+    EAGER_PIPELINE_ENV,
+    "HABANA_VISIBLE_DEVICES",
+    "HABANA_VISIBLE_MODULES",
+    "PT_HPU_LOG_MOD_MASK",
+)
 
 LAZY_MODE_MESSAGE = (
     "FSDP cannot run on Gaudi in lazy mode, and the Habana bridge in this process was loaded with "

@@ -113,9 +113,7 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
     if value is None or isinstance(value, MixedPrecision):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError(
-            f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}"
-        )
+        raise TypeError(f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}")
     unknown = [key for key in value if key not in MIXED_PRECISION_KEYS]
     if unknown:
         raise ValueError(

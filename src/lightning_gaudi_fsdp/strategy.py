@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_WrapPolicyInput = Union[int, str, list[str], set[type[Module]], list[type[Module]], ModuleWrapPolicy, Callable, None]
-_CheckpointPolicyInput = Union[str, list[str], set[type[Module]], list[type[Module]], Callable, None]
+_WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
+_CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
 _PROCESS_GROUP_BACKENDS = ("hccl", "gloo", "nccl", "mpi")
 
 
@@ -153,7 +153,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             activation_checkpointing_policy
         )
         self._compile_kwargs = options.resolve_compile(compile)
-        self._eager_pipeline = None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
+        self._eager_pipeline = (
+            None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
+        )
 
     # ------------------------------------------------------------------------------------------- devices, backend
     @property
@@ -314,10 +316,15 @@ class GaudiFSDPStrategy(FSDPStrategy):
             )
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def _wrapped_model(self) -> Module:
+        if self.model is None or self.lightning_module is None:
+            raise RuntimeError("GaudiFSDPStrategy: the model is not set up yet; call this inside trainer.fit/validate")
+        return self.model
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return formats.model_state_dict(self.model, self._state_dict_type, self.root_device.type)
+        model = self._wrapped_model()
+        return formats.model_state_dict(model, self._state_dict_type, self.root_device.type)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -325,9 +332,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        assert self.model is not None
+        model = self._wrapped_model()
         return formats.optimizer_state_dict(
-            self.model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank
+            model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank
         )
 
     @override
@@ -337,8 +344,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         metadata = None
         if self._state_dict_type == "local":
-            assert self.model is not None
-            metadata = formats.local_metadata(self.model, self.sharding_strategy.name, _report.versions())
+            model = self._wrapped_model()
+            metadata = formats.local_metadata(model, self.sharding_strategy.name, _report.versions())
         formats.save(
             self._state_dict_type,
             checkpoint,
@@ -351,30 +358,32 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.model is not None
-        assert self.lightning_module is not None
+        model = self._wrapped_model()
         path = Path(self.broadcast(str(checkpoint_path)))
         strict = self.lightning_module.strict_loading
         device_type = self.root_device.type
         pending, error = None, None
         try:
             pending = formats.check_load(
-                path, self.model, world_size=self.world_size, rank=self.global_rank, device_type=device_type,
+                path,
+                model,
+                world_size=self.world_size,
+                rank=self.global_rank,
+                device_type=device_type,
                 strict=strict,
             )
         except formats.CheckpointError as err:
-            error = str(err)
+            error = err.problem
         # Every rank learns of any rank's problem before weights change: nobody waits in a collective alone.
         errors = self._gather_objects(error)
         failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-        if failed:
-            rank, message = failed[0]
-            raise formats.CheckpointError(path, message.split(": ", 1)[-1] + f" (reported by rank {rank})")
-        assert pending is not None
+        if failed or pending is None:
+            rank, problem = failed[0] if failed else (self.global_rank, str(error))
+            raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return formats.apply_load(
             pending,
-            self.model,
+            model,
             self.optimizers,
             device_type=device_type,
             strict=strict,
@@ -436,8 +445,9 @@ def _check_device_id(value: Any) -> int | str | torch.device | None:
         except RuntimeError as err:
             raise ValueError(f"device_id={value!r} is not a device; expected e.g. 'hpu:0', 'cpu' or 0") from err
         return value
-    raise ValueError(f"device_id={value!r} is not supported; expected None, a non-negative int, a device string "
-                     "or a torch.device")
+    raise ValueError(
+        f"device_id={value!r} is not supported; expected None, a non-negative int, a device string or a torch.device"
+    )
 
 
 def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> None:

@@ -42,9 +42,14 @@ def _assert_same_run(resumed: dict, straight: dict) -> None:
 
 
 CASES = [
-    ("full", "FULL_SHARD"), ("full", "SHARD_GRAD_OP"), ("full", "NO_SHARD"),
-    ("sharded", "FULL_SHARD"), ("sharded", "SHARD_GRAD_OP"), ("sharded", "NO_SHARD"),
-    ("local", "FULL_SHARD"), ("local", "SHARD_GRAD_OP"),
+    ("full", "FULL_SHARD"),
+    ("full", "SHARD_GRAD_OP"),
+    ("full", "NO_SHARD"),
+    ("sharded", "FULL_SHARD"),
+    ("sharded", "SHARD_GRAD_OP"),
+    ("sharded", "NO_SHARD"),
+    ("local", "FULL_SHARD"),
+    ("local", "SHARD_GRAD_OP"),
 ]
 
 
@@ -88,17 +93,28 @@ def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path)
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
     k = STEPS_PER_EPOCH
     dirpath = tmp_path / "ckpts"
-    callback = {"dirpath": str(dirpath), "save_last": True, "save_top_k": 2, "monitor": "train_loss",
-                "every_n_train_steps": 2}
+    callback = {
+        "dirpath": str(dirpath),
+        "save_last": True,
+        "save_top_k": 2,
+        "monitor": "train_loss",
+        "every_n_train_steps": 2,
+    }
     straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
     scenario({"strategy": strategy, "module": _module(), "max_steps": k, "model_checkpoint": callback})
     saved = sorted(p.name for p in dirpath.iterdir())
     assert "last.ckpt" in saved
     assert len([n for n in saved if n != "last.ckpt" and not n.startswith(".")]) == 2  # top-k kept exactly two
     assert not [n for n in saved if n.startswith(".")]  # no staging leftovers
-    resumed = scenario({
-        "strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": "last", "model_checkpoint": callback
-    })
+    resumed = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "ckpt_path": "last",
+            "model_checkpoint": callback,
+        }
+    )
     _assert_same_run(resumed.final(), straight)
 
 
@@ -116,9 +132,9 @@ def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path):
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
     ckpt = tmp_path / "ckpt"
     two = scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "save_path": str(ckpt)}).final()
-    one = scenario({
-        "devices": 1, "strategy": strategy, "module": _module(), "max_steps": 4, "ckpt_path": str(ckpt)
-    }).final()
+    one = scenario(
+        {"devices": 1, "strategy": strategy, "module": _module(), "max_steps": 4, "ckpt_path": str(ckpt)}
+    ).final()
     # max_steps already reached: the one-rank run only loads, so its weights are the two-rank run's
     _assert_equal_nested(one["weights"], two["weights"], "weights")
     assert one["step"] == 4

@@ -20,11 +20,13 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 def test_two_ranks_match_one_process_on_the_global_batch(scenario, sharding):
     steps = 5
     reference = scenario({"strategy": "reference", "max_steps": steps, "module": {"batch_size": 8}})
-    sharded = scenario({
-        "strategy": {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK]},
-        "max_steps": steps,
-        "module": {"batch_size": 4},
-    })
+    sharded = scenario(
+        {
+            "strategy": {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK]},
+            "max_steps": steps,
+            "module": {"batch_size": 4},
+        }
+    )
     ref, got = reference.final(), sharded.final()
     assert got["step"] == ref["step"] == steps
     _assert_same_weights(got["weights"], ref["weights"], atol=1e-5)
@@ -102,36 +104,42 @@ def test_size_based_policy_from_an_int(scenario):
 
 @pytest.mark.parametrize(("sync", "expected"), [(True, [0.01]), (False, [0.01, 0.02])])
 def test_sync_module_states_broadcasts_rank_zero_weights(scenario, sync, expected):
-    run = scenario({
-        "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": sync},
-        "module": {"rank_dependent_init": True},
-        "max_steps": 1,
-    })
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": sync},
+            "module": {"rank_dependent_init": True},
+            "max_steps": 1,
+        }
+    )
     assert run.rank(0)["initial_unique_values"] == expected
 
 
 def test_param_init_fn_materialises_a_meta_model(scenario):
-    run = scenario({
-        "strategy": {"auto_wrap_policy": [BLOCK], "param_init_fn": "common.fill_init"},
-        "module": {"meta_init": True},
-        "max_steps": 1,
-    })
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "param_init_fn": "common.fill_init"},
+            "module": {"meta_init": True},
+            "max_steps": 1,
+        }
+    )
     assert run.rank(0)["initial_unique_values"] == [0.125]
 
 
 def test_mixed_precision_dict_sets_the_dtype_layers_compute_in(scenario):
-    run = scenario({
-        "strategy": {
-            "auto_wrap_policy": [BLOCK],
-            "mixed_precision": {
-                "param_dtype": "bf16",
-                "reduce_dtype": "float32",
-                "buffer_dtype": "torch.bfloat16",
-                "cast_root_forward_inputs": True,
+    run = scenario(
+        {
+            "strategy": {
+                "auto_wrap_policy": [BLOCK],
+                "mixed_precision": {
+                    "param_dtype": "bf16",
+                    "reduce_dtype": "float32",
+                    "buffer_dtype": "torch.bfloat16",
+                    "cast_root_forward_inputs": True,
+                },
             },
-        },
-        "max_steps": 2,
-    })
+            "max_steps": 2,
+        }
+    )
     info = run.rank(0)
     assert info["fc_forward"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16", "output": "torch.bfloat16"}
     # The LightningModule is the FSDP root and training_step runs inside its forward, so the batch reaching
@@ -163,11 +171,13 @@ def test_compile_compiles_each_unit(scenario):
 
 
 def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario):
-    run = scenario({
-        "devices": 4,
-        "strategy": {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": [BLOCK]},
-        "max_steps": 2,
-    })
+    run = scenario(
+        {
+            "devices": 4,
+            "strategy": {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": [BLOCK]},
+            "max_steps": 2,
+        }
+    )
     for rank in range(4):
         for unit in run.rank(rank)["units"]:
             assert unit["sharding_strategy"] == "HYBRID_SHARD"

@@ -39,7 +39,9 @@ class Probe(Callback):
 
         def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
             self.info["fc_forward"] = {
-                "input": str(args[0].dtype), "weight": str(mod.weight.dtype), "output": str(output.dtype)
+                "input": str(args[0].dtype),
+                "weight": str(mod.weight.dtype),
+                "output": str(output.dtype),
             }
 
         fc.register_forward_hook(hook)
@@ -151,9 +153,17 @@ def main() -> None:
     if trainer.global_rank == 0:
         state = {k.removeprefix("net."): v for k, v in state.items()}
         schedulers = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
-        torch.save({"weights": state, "lr": opt.param_groups[0]["lr"], "step": trainer.global_step,
-                    "epoch": trainer.current_epoch, "optimizer": optim, "schedulers": schedulers},
-                   out / "final.pt")
+        torch.save(
+            {
+                "weights": state,
+                "lr": opt.param_groups[0]["lr"],
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "optimizer": optim,
+                "schedulers": schedulers,
+            },
+            out / "final.pt",
+        )
     if torch.distributed.is_initialized():
         # Leaving gloo's threads to interpreter shutdown sometimes ends in std::terminate.
         torch.distributed.barrier()

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 

@@ -38,16 +38,18 @@ def flat_param_layout(model: Module) -> list[dict[str, Any]]:
         prefix = _clean(name)
         numels_with_padding = list(getattr(flat, "_numels_with_padding", None) or flat._numels)
         padding_mask = list(getattr(flat, "_is_padding_mask", None) or [False] * len(numels_with_padding))
-        layout.append({
-            "key": _join(prefix, FLAT_PARAM),
-            "prefix": prefix,
-            "fqns": list(flat._fqns),
-            "shapes": [list(s) for s in flat._shapes],
-            "numels": [int(n) for n in flat._numels],
-            "numels_with_padding": [int(n) for n in numels_with_padding],
-            "is_padding_mask": [bool(p) for p in padding_mask],
-            "dtype": str(flat.dtype).removeprefix("torch."),
-        })
+        layout.append(
+            {
+                "key": _join(prefix, FLAT_PARAM),
+                "prefix": prefix,
+                "fqns": list(flat._fqns),
+                "shapes": [list(s) for s in flat._shapes],
+                "numels": [int(n) for n in flat._numels],
+                "numels_with_padding": [int(n) for n in numels_with_padding],
+                "is_padding_mask": [bool(p) for p in padding_mask],
+                "dtype": str(flat.dtype).removeprefix("torch."),
+            }
+        )
     return layout
 
 

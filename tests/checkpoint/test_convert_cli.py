@@ -1,0 +1,128 @@
+"""Offline tools on real checkpoints written by 2-rank FSDP runs: inspect, convert, and loading the results."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_gaudi_fsdp.checkpoint.convert import describe
+
+BLOCK = "common.Block"
+PARAMS = 3 * (16 * 16 + 16 + 16 + 16) + 17  # three blocks and the head of tests/scenarios/common.Net
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One 2-rank run per format; each saves its checkpoint after training and its final full weights."""
+    from conftest import run_script
+
+    runs = {}
+    for fmt in ("full", "sharded", "local"):
+        tmp = tmp_path_factory.mktemp(fmt)
+        ckpt = tmp / f"model-{fmt}.ckpt"
+        cfg = {
+            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt},
+            "max_steps": 3,
+            "save_path": str(ckpt),
+            "module": {"n_samples": 64},
+        }
+        runs[fmt] = (ckpt, run_script("train.py", cfg, tmp).final())
+    return runs
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_gaudi_fsdp", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_inspect_describes_each_format(saved, fmt):
+    ckpt, _ = saved[fmt]
+    info = describe(ckpt)
+    assert info["format"] == fmt
+    assert info["parameters"] == PARAMS
+    assert info["bytes"] == PARAMS * 4
+    assert info["dtypes"] == {"float32": PARAMS}
+    assert info["global_step"] == 3
+    assert info["optimizer"] is True
+    assert info["world_size"] == (None if fmt == "full" else 2)
+    out = _cli("inspect", str(ckpt))
+    assert out.returncode == 0, out.stderr
+    assert re.search(rf"^format\s+{fmt}$", out.stdout, re.M)
+    assert re.search(rf"^parameters\s+{PARAMS:,}$", out.stdout, re.M)
+
+
+def _plain_module_output(checkpoint_path) -> torch.Tensor:
+    sys.path.insert(0, str(__import__("conftest").SCENARIOS))
+    from common import Module
+
+    module = Module()
+    ckpt = torch.load(checkpoint_path, weights_only=False)
+    module.load_state_dict(ckpt["state_dict"])  # the plain, unwrapped LightningModule
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    return module(x)
+
+
+def _reference_output(weights) -> torch.Tensor:
+    from common import Net
+
+    net = Net()
+    net.load_state_dict(weights)
+    return net(torch.randn(5, 16, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("src_fmt", ["local", "sharded"])
+def test_convert_to_full_loads_into_the_plain_module(saved, tmp_path, src_fmt):
+    ckpt, final = saved[src_fmt]
+    dst = tmp_path / "full.ckpt"
+    out = _cli("convert", str(ckpt), str(dst), "--to", "full")
+    assert out.returncode == 0, out.stderr
+    assert dst.is_file()
+    torch.testing.assert_close(_plain_module_output(dst), _reference_output(final["weights"]), atol=0, rtol=0)
+    converted = torch.load(dst, weights_only=False)
+    assert converted["global_step"] == 3
+    if src_fmt == "local":
+        assert "not converted" in out.stderr  # the dropped optimizer state is said, not silent
+    else:
+        assert converted["optimizer_states"]
+
+
+@pytest.mark.parametrize("src_fmt", ["full", "local"])
+def test_convert_to_sharded_then_load_on_two_ranks(saved, tmp_path, scenario, src_fmt):
+    ckpt, final = saved[src_fmt]
+    dst = tmp_path / "sharded.ckpt"
+    out = _cli("convert", str(ckpt), str(dst), "--to", "sharded")
+    assert out.returncode == 0, out.stderr
+    assert describe(dst)["format"] == "sharded"
+    # Resume at max_steps=3: the run only loads; its weights must be the converted ones.
+    loaded = scenario(
+        {"strategy": {"auto_wrap_policy": [BLOCK]}, "max_steps": 3, "ckpt_path": str(dst), "module": {"n_samples": 64}}
+    ).final()
+    for key, value in final["weights"].items():
+        assert torch.equal(loaded["weights"][key], value), key
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(saved, tmp_path):
+    out = _cli("inspect", str(tmp_path / "nope.ckpt"))
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert "nope.ckpt" in out.stderr
+    assert "no such file or directory" in out.stderr
+    (tmp_path / "empty").mkdir()
+    out = _cli("inspect", str(tmp_path / "empty"))
+    assert out.returncode == 2
+    assert "neither 'local_metadata.json' (local) nor 'meta.pt' (sharded)" in out.stderr
+    ckpt, _ = saved["full"]
+    existing = tmp_path / "exists.ckpt"
+    shutil.copy(ckpt, existing)
+    before = existing.read_bytes()
+    out = _cli("convert", str(ckpt), str(existing), "--to", "full")
+    assert out.returncode == 2
+    assert "already exists" in out.stderr
+    assert existing.read_bytes() == before  # nothing the user had is lost
