@@ -5,6 +5,7 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,17 +99,54 @@ class Probe(Callback):
 class SaveAtStep(Callback):
     """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``."""
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
+    def __init__(self, step: int | list[int], path: str) -> None:
+        self.steps, self.path = [step] if isinstance(step, int) else step, path
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step in self.steps:
             trainer.save_checkpoint(self.path)
+
+
+def arm_kill_on_save(rank: int, nth: int) -> None:
+    """On ``rank``, the ``nth`` checkpoint write writes half its bytes, then the process SIGKILLs itself."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != rank:
+        return
+    calls = {"n": 0}
+    real_save, real_dcp_save = torch.save, dcp.save
+
+    def die_midway(target: Any) -> None:
+        path = Path(target) if not isinstance(target, Path) else target
+        if path.suffix or not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"\x80" * 1000)  # a real, partial write
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def counting_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, str | Path) and ".partial" in str(f):
+            calls["n"] += 1
+            if calls["n"] == nth:
+                die_midway(f)
+        return real_save(obj, f, *args, **kwargs)
+
+    def counting_dcp_save(state: Any, *args: Any, checkpoint_id: Any = None, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == nth:
+            die_midway(Path(checkpoint_id) / "__partial_0.distcp")
+        return real_dcp_save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+    torch.save = counting_save
+    dcp.save = counting_dcp_save
 
 
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
+    if cfg.get("kill_on_save"):
+        arm_kill_on_save(**cfg["kill_on_save"])
     L.seed_everything(cfg.get("seed", 7), workers=True)
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})

@@ -355,9 +355,15 @@ def check_load(
     path: str | os.PathLike[str], model: Module, *, world_size: int, rank: int, device_type: str, strict: bool
 ) -> PendingLoad:
     """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
-    Raises :class:`CheckpointError`; nothing in ``model`` is changed."""
+    Raises :class:`CheckpointError`; nothing in ``model`` is changed.
+
+    Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
+    rank only: every rank reaches the caller's agreement step having run the same collectives."""
     path = Path(path)
     fmt = detect_format(path)
+    if fmt in ("sharded", "local"):
+        with state_dict_context(model, fmt, device_type):
+            current = model.state_dict()
     if fmt == "full":
         checkpoint = _torch_load(path, path, "the checkpoint file")
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -368,17 +374,13 @@ def check_load(
         return PendingLoad(fmt, path, checkpoint, state, checkpoint.pop("optimizer_states", None))
     if fmt == "sharded":
         rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
-        with state_dict_context(model, "sharded", device_type):
-            model_state = model.state_dict()
-        metadata = check_sharded(path, model_state, strict)
-        return PendingLoad(fmt, path, rest, model_state, dcp_metadata=metadata)
+        metadata = check_sharded(path, current, strict)
+        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata)
     check_local(path, model, world_size, rank)
     rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
     shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
-    with state_dict_context(model, "local", device_type):
-        current = model.state_dict()
     missing = [k for k in current if k.endswith(FLAT_PARAM) and k not in shard["model"]]
     if missing:
         raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")

@@ -1,0 +1,116 @@
+"""Crash safety and damaged checkpoints: real processes, real kills, errors on every rank instead of hangs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_gaudi_fsdp.checkpoint.convert import describe
+
+BLOCK = "common.Block"
+MODULE = {"n_samples": 64}
+
+
+def _strategy(fmt: str, **extra):
+    return {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "timeout": 30, **extra}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from conftest import run_script
+
+    made = {}
+    for fmt in ("full", "sharded", "local"):
+        tmp = tmp_path_factory.mktemp(f"good-{fmt}")
+        ckpt = tmp / "model.ckpt"
+        cfg = {"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "save_path": str(ckpt)}
+        made[fmt] = (ckpt, run_script("train.py", cfg, tmp).final())
+    return made
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / src.name
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    return dst
+
+
+def _load_fails(scenario, ckpt, fmt, message, devices=2, module=MODULE):
+    run = scenario({"devices": devices, "strategy": _strategy(fmt), "module": module, "max_steps": 4,
+                    "ckpt_path": str(ckpt)}, expect_ok=False, timeout=120)
+    assert run.proc.returncode != 0
+    assert f"Cannot load checkpoint '{ckpt}'" in run.proc.stderr
+    assert message in run.proc.stderr, run.proc.stderr[-3000:]
+    assert "Restored all states" not in run.proc.stdout + run.proc.stderr
+    return run
+
+
+def test_truncated_full_file(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["full"][0], tmp_path)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    _load_fails(scenario, ckpt, "full", "is damaged or truncated")
+
+
+def test_missing_shard_file(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["sharded"][0], tmp_path)
+    (ckpt / "__1_0.distcp").unlink()
+    _load_fails(scenario, ckpt, "sharded", "shard file '__1_0.distcp' is missing")
+
+
+def test_truncated_shard_file(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["sharded"][0], tmp_path)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    _load_fails(scenario, ckpt, "sharded", "shard file '__0_0.distcp' is truncated")
+
+
+def test_missing_dcp_metadata(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["sharded"][0], tmp_path)
+    (ckpt / ".metadata").unlink()
+    _load_fails(scenario, ckpt, "sharded", "the distributed-checkpoint metadata (.metadata) is unreadable")
+
+
+def test_missing_marker_is_not_a_checkpoint(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["local"][0], tmp_path)
+    (ckpt / "local_metadata.json").unlink()
+    _load_fails(scenario, ckpt, "local", "has neither 'local_metadata.json' (local) nor 'meta.pt' (sharded)")
+
+
+def test_local_shard_missing_on_one_rank_fails_on_every_rank(checkpoints, scenario, tmp_path):
+    ckpt = _copy(checkpoints["local"][0], tmp_path)
+    (ckpt / "rank_00001.pt").unlink()
+    run = _load_fails(scenario, ckpt, "local", "the shard of rank 1 is missing (rank_00001.pt) (reported by rank 1)")
+    assert run.proc.stderr.count("reported by rank 1") >= 2  # rank 0 raised it too instead of waiting
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_checkpoint_of_another_model(checkpoints, scenario, fmt):
+    ckpt = checkpoints[fmt][0]
+    message = "FSDP wrap layout differs" if fmt == "local" else "it was written for another model"
+    _load_fails(scenario, ckpt, fmt, message, module={**MODULE, "depth": 2})
+
+
+def test_local_checkpoint_at_another_world_size(checkpoints, scenario):
+    ckpt = checkpoints["local"][0]
+    _load_fails(scenario, ckpt, "local", "saved with world size 2 and this run has world size 1", devices=1)
+
+
+@pytest.mark.parametrize(("fmt", "victim"), [("full", 0), ("sharded", 1), ("local", 1)])
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path, fmt, victim):
+    ckpt = tmp_path / "last.ckpt"
+    good = scenario({"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "save_path": str(ckpt)}).final()
+    assert describe(ckpt)["global_step"] == 2
+    # a second run resumes, then dies in the middle of overwriting the same checkpoint
+    crashed = scenario({
+        "strategy": _strategy(fmt), "module": MODULE, "max_steps": 6, "ckpt_path": str(ckpt),
+        "save_at_step": 4, "save_path_in_loop": str(ckpt), "kill_on_save": {"rank": victim, "nth": 1},
+    }, expect_ok=False, timeout=150)
+    assert crashed.proc.returncode != 0
+    # the interrupted write only ever touched the staging sibling (rank 0 removes it when it survives)
+    assert {p.name for p in tmp_path.iterdir()} <= {"last.ckpt", ".last.ckpt.partial", "run0", "run1", "run2"}
+    assert describe(ckpt)["global_step"] == 2  # the committed checkpoint is the previous one, untouched
+    reloaded = scenario({"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "ckpt_path": str(ckpt)}).final()
+    for key, value in good["weights"].items():
+        assert torch.equal(reloaded["weights"][key], value), key
