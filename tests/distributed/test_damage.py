@@ -37,8 +37,11 @@ def _copy(src, tmp_path):
 
 
 def _load_fails(scenario, ckpt, fmt, message, devices=2, module=MODULE):
-    run = scenario({"devices": devices, "strategy": _strategy(fmt), "module": module, "max_steps": 4,
-                    "ckpt_path": str(ckpt)}, expect_ok=False, timeout=120)
+    run = scenario(
+        {"devices": devices, "strategy": _strategy(fmt), "module": module, "max_steps": 4, "ckpt_path": str(ckpt)},
+        expect_ok=False,
+        timeout=120,
+    )
     assert run.proc.returncode != 0
     assert f"Cannot load checkpoint '{ckpt}'" in run.proc.stderr
     assert message in run.proc.stderr, run.proc.stderr[-3000:]
@@ -103,10 +106,19 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path,
     good = scenario({"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "save_path": str(ckpt)}).final()
     assert describe(ckpt)["global_step"] == 2
     # a second run resumes, then dies in the middle of overwriting the same checkpoint
-    crashed = scenario({
-        "strategy": _strategy(fmt), "module": MODULE, "max_steps": 6, "ckpt_path": str(ckpt),
-        "save_at_step": 4, "save_path_in_loop": str(ckpt), "kill_on_save": {"rank": victim, "nth": 1},
-    }, expect_ok=False, timeout=150)
+    crashed = scenario(
+        {
+            "strategy": _strategy(fmt),
+            "module": MODULE,
+            "max_steps": 6,
+            "ckpt_path": str(ckpt),
+            "save_at_step": 4,
+            "save_path_in_loop": str(ckpt),
+            "kill_on_save": {"rank": victim, "nth": 1},
+        },
+        expect_ok=False,
+        timeout=150,
+    )
     assert crashed.proc.returncode != 0
     # the interrupted write only ever touched the staging sibling (rank 0 removes it when it survives)
     assert {p.name for p in tmp_path.iterdir()} <= {"last.ckpt", ".last.ckpt.partial", "run0", "run1", "run2"}

@@ -32,7 +32,7 @@ class Probe(Callback):
         model = trainer.strategy.model
         if not fsdp_units(model):
             return
-        full = formats.model_state_dict(model, "full", "cpu")
+        full = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
         if trainer.global_rank == 0:
             values = torch.cat([v.reshape(-1) for k, v in full.items() if "weight" in k or "bias" in k])
             self.info["initial_unique_values"] = sorted({round(float(v), 6) for v in values.unique()})[:10]
@@ -151,7 +151,7 @@ def main() -> None:
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})
     trainer_kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),
         max_steps=cfg.get("max_steps", 4),
         logger=False,
         enable_checkpointing=False,
@@ -186,8 +186,8 @@ def main() -> None:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         optim = opt.state_dict()
     else:
-        state = formats.model_state_dict(model, "full", "cpu")
-        optim = formats.optimizer_state_dict(model, opt, "full", "cpu", trainer.global_rank)
+        state = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
+        optim = formats.optimizer_state_dict(model, opt, "full", trainer.strategy.root_device.type, trainer.global_rank)
     if trainer.global_rank == 0:
         state = {k.removeprefix("net."): v for k, v in state.items()}
         schedulers = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]

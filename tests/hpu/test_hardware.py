@@ -1,0 +1,65 @@
+"""The CPU suite's scenarios on real Gaudi devices: ``pytest -m hpu`` on a Gaudi machine (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.hpu
+BLOCK = "common.Block"
+
+
+def test_two_cards_train_with_hccl_in_eager_mode(scenario):
+    run = scenario({"accelerator": "hpu", "strategy": {"auto_wrap_policy": [BLOCK]}, "max_steps": 4})
+    info = run.rank(0)
+    assert info["backend"] == "hccl"
+    assert all(u["compute_device"].startswith("hpu") for u in info["units"])
+    assert info["losses"][-1] < info["losses"][0]
+
+
+def test_bf16_mixed_autocasts_on_hpu(scenario):
+    run = scenario(
+        {
+            "accelerator": "hpu",
+            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "trainer": {"precision": "bf16-mixed"},
+            "max_steps": 2,
+        }
+    )
+    assert run.rank(0)["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_save_and_resume_each_format_on_hpu(scenario, tmp_path, fmt):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    module = {"n_samples": 32, "batch_size": 4}
+    straight = scenario({"accelerator": "hpu", "strategy": strategy, "module": module, "max_steps": 8}).final()
+    ckpt = tmp_path / "ckpt"
+    scenario(
+        {
+            "accelerator": "hpu",
+            "strategy": strategy,
+            "module": module,
+            "max_steps": 4,
+            "save_at_step": 4,
+            "save_path_in_loop": str(ckpt),
+        }
+    )
+    resumed = scenario(
+        {"accelerator": "hpu", "strategy": strategy, "module": module, "max_steps": 8, "ckpt_path": str(ckpt)}
+    ).final()
+    assert resumed["step"] == straight["step"] == 8
+    for key, value in straight["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], value)
+
+
+def test_compile_uses_hpu_backend(scenario):
+    run = scenario(
+        {
+            "accelerator": "hpu",
+            "strategy": {"auto_wrap_policy": [BLOCK], "compile": True},
+            "max_steps": 2,
+            "probes": ["dynamo"],
+        }
+    )
+    assert run.rank(0)["dynamo_frames_ok"] > 0

@@ -1,0 +1,190 @@
+"""The Gaudi runtime path, against a test double of ``habana_frameworks`` (tests/fakes) that records calls."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_gaudi_fsdp import GaudiFSDPStrategy, gaudi
+
+FAKES = Path(__file__).parent / "fakes"
+
+
+def _drop_fake_modules() -> None:
+    for name in [m for m in sys.modules if m == "habana_frameworks" or m.startswith("habana_frameworks.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_gaudi(monkeypatch):
+    """Put the double on sys.path; undo everything it patched when the test ends."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in ("PT_HPU_LAZY_MODE", "PT_HPU_EAGER_PIPELINE_ENABLE"):  # recorded, so restored after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(dist, "init_process_group", dist.init_process_group)  # restored after the test
+    _drop_fake_modules()
+    yield lambda: __import__("habana_frameworks").CALLS
+    _drop_fake_modules()
+    if hasattr(torch, "hpu"):
+        delattr(torch, "hpu")
+
+
+def test_without_the_bridge_nothing_is_available(monkeypatch):
+    _drop_fake_modules()
+    assert not gaudi.bridge_installed()
+    assert gaudi.is_available() is False
+    assert gaudi.device_count() == 0
+    assert gaudi.bridge_version() is None
+    assert gaudi.hccl_importable() is False
+    with pytest.raises(
+        RuntimeError,
+        match=r"process_group_backend='hccl' needs 'habana_frameworks.torch.distributed"
+        r".hccl', which failed to import",
+    ):
+        gaudi.import_hccl()
+
+
+def test_probe_devices_and_version(fake_gaudi, monkeypatch):
+    monkeypatch.setenv("FAKE_HPU_DEVICES", "4")
+    assert gaudi.bridge_installed()
+    assert gaudi.is_available() is True
+    assert gaudi.device_count() == 4
+    assert gaudi.bridge_version() == "1.21.0-fake"
+    torch.hpu.set_device(3)
+    assert gaudi.current_device() == torch.device("hpu", 3)
+
+
+def test_lazy_mode_is_refused_with_the_fix(fake_gaudi, monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    assert gaudi.is_lazy_mode()  # asked of the bridge, which read the variable when it loaded
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")  # too late: the bridge is loaded
+    assert gaudi.is_lazy_mode()
+    with pytest.raises(
+        RuntimeError,
+        match=r"FSDP cannot run on Gaudi in lazy mode.*Set PT_HPU_LAZY_MODE=0 in the "
+        r"environment before Python starts",
+    ):
+        gaudi.ensure_eager_mode()
+
+
+def test_eager_mode_passes(fake_gaudi, monkeypatch):
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    gaudi.ensure_eager_mode()
+    assert ("bridge_loaded", "eager") in fake_gaudi()
+
+
+def test_import_hccl_registers_the_backend(fake_gaudi):
+    gaudi.import_hccl()
+    assert ("hccl_imported",) in fake_gaudi()
+    assert "hccl" in dist.Backend.backend_list
+    gaudi.initialize_distributed_hpu(8, 3, 3)
+    assert ("initialize_distributed_hpu", 8, 3, 3) in fake_gaudi()
+
+
+def test_launch_environment(monkeypatch):
+    monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "")
+    assert gaudi.launch_environment(None) == {"PT_HPU_LAZY_MODE": "0"}
+    assert gaudi.launch_environment(False) == {"PT_HPU_LAZY_MODE": "0", "PT_HPU_EAGER_PIPELINE_ENABLE": "false"}
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    monkeypatch.delenv("PT_HPU_EAGER_PIPELINE_ENABLE", raising=False)
+    gaudi.apply_launch_environment(True)
+    assert os.environ["PT_HPU_LAZY_MODE"] == "0"
+    assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "true"
+
+
+def test_compile_backend_per_device(fake_gaudi):
+    assert gaudi.default_compile_backend("hpu") == "hpu_backend"
+    assert gaudi.default_compile_backend("cpu") == "aot_eager"
+    gaudi.prepare_compile_backend("hpu_backend")
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="hpu_backend")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert any(event[0] == "hpu_backend_compiled" for event in fake_gaudi())
+
+
+def _hpu_trainer(strategy: GaudiFSDPStrategy, devices: int = 2) -> L.Trainer:
+    return L.Trainer(accelerator="hpu", devices=devices, strategy=strategy, logger=False)
+
+
+def test_hpu_trainer_uses_hccl_and_the_bridge_device(fake_gaudi, monkeypatch):
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    trainer = _hpu_trainer(GaudiFSDPStrategy())
+    strategy = trainer.strategy
+    assert strategy._get_process_group_backend() == "hccl"
+    torch.hpu.set_device(1)
+    assert strategy.root_device == torch.device("hpu", 1)
+    assert strategy._fsdp_device() == torch.device("hpu", 1)  # always a device, never an index
+
+
+def test_hpu_with_gloo_is_refused_when_the_trainer_is_built(fake_gaudi, monkeypatch):
+    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
+        _hpu_trainer(GaudiFSDPStrategy(process_group_backend="gloo"))
+
+
+def test_launcher_sets_eager_environment_for_launched_processes(fake_gaudi, monkeypatch):
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "")  # monkeypatch restores both variables after the test
+    monkeypatch.delenv("PT_HPU_LAZY_MODE")
+    _hpu_trainer(GaudiFSDPStrategy(eager_pipeline=False))  # the launcher is configured here, before any process
+    assert os.environ["PT_HPU_LAZY_MODE"] == "0"
+    assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
+
+
+def test_lazy_mode_stops_the_launch(fake_gaudi, monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
+        _hpu_trainer(GaudiFSDPStrategy())
+
+
+def test_autocast_follows_the_hpu_device_type(fake_gaudi, monkeypatch):
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    trainer = L.Trainer(
+        accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed", logger=False
+    )
+    plugin = trainer.strategy.precision_plugin
+    plugin.set_device_type(trainer.strategy.root_device.type)
+    assert plugin.device_type == "hpu"
+
+
+def test_doctor_with_a_healthy_and_a_lazy_bridge(fake_gaudi, monkeypatch, capsys):
+    from lightning_gaudi_fsdp.cli import main
+
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "target accelerator" in out and "hpu" in out
+    assert "1.21.0-fake" in out
+    assert "This machine can run GaudiFSDPStrategy with accelerator='hpu'." in out
+
+
+def test_doctor_reports_lazy_mode_with_exit_code_1(fake_gaudi, monkeypatch, capsys):
+    from lightning_gaudi_fsdp.cli import main
+
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    assert main(["doctor", "--accelerator", "hpu"]) == 1
+    out = capsys.readouterr().out
+    assert "fix: execution mode: set PT_HPU_LAZY_MODE=0 before starting Python" in out
+
+
+def test_doctor_on_a_cpu_machine_for_hpu_says_why(capsys):
+    from lightning_gaudi_fsdp.cli import main
+
+    _drop_fake_modules()
+    assert main(["doctor", "--accelerator", "hpu"]) == 1
+    assert "fix: Habana bridge: run inside Intel's Gaudi PyTorch container" in capsys.readouterr().out
+
+
+def test_importing_the_package_never_imports_habana_frameworks():
+    import subprocess
+
+    code = "import sys, lightning_gaudi_fsdp; print(any(m.startswith('habana_frameworks') for m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(FAKES)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
