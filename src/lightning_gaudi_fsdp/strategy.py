@@ -156,6 +156,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self._eager_pipeline = (
             None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
         )
+        self._fsdp_root: Module | None = None
 
     # ------------------------------------------------------------------------------------------- devices, backend
     @property
@@ -256,7 +257,12 @@ class GaudiFSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if any(isinstance(m, FSDP) for m in model.modules()):
+        previous = self._fsdp_root
+        if previous is not None and previous.module is model:
+            # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
+            # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
+            model = previous
+        elif any(isinstance(m, FSDP) for m in model.modules()):
             model = super()._setup_model(model)
         else:
             self._warn_if_precision_overlaps()
@@ -276,7 +282,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
             )
             _move_torchmetrics_to_device(model, self.root_device)
             _apply_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        if self._compile_kwargs is not None:
+        self._fsdp_root = model if isinstance(model, FSDP) else None
+        if self._compile_kwargs is not None and previous is not model:
             _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
         self.precision_plugin.set_device_type(self.root_device.type)
         self.precision_plugin.attach(model)
@@ -284,10 +291,32 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization:
+            raise ValueError(
+                "GaudiFSDPStrategy does not support manual optimization (automatic_optimization=False): Lightning "
+                "runs training_step inside the FSDP root module's forward, where torch FSDP1 cannot run "
+                "manual_backward. Use automatic optimization; accumulation, clipping and LR schedules go through "
+                "the Trainer."
+            )
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
             rank_zero_info(_report.configuration_table(self))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        if not self.kwargs.get("use_orig_params"):
+            module = self.lightning_module
+            optimizers = module.configure_optimizers() if module is not None else None
+            groups = _count_param_groups(optimizers)
+            if groups > 1:
+                raise ValueError(
+                    f"configure_optimizers returned {groups} parameter groups, which needs use_orig_params=True "
+                    "(with use_orig_params=False FSDP flattens each unit into one parameter and the groups cannot be "
+                    "kept apart)"
+                )
+        super().setup_optimizers(trainer)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -484,3 +513,21 @@ def _broadcast_module_states(module: Module) -> None:
     with torch.no_grad():
         for tensor in states:
             torch.distributed.broadcast(tensor.data, src=0)
+
+
+def _count_param_groups(optimizers: Any) -> int:
+    from torch.optim import Optimizer
+
+    found: list[Optimizer] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, Optimizer):
+            found.append(item)
+        elif isinstance(item, dict):
+            visit(item.get("optimizer"))
+        elif isinstance(item, list | tuple):
+            for sub in item:
+                visit(sub)
+
+    visit(optimizers)
+    return max((len(opt.param_groups) for opt in found), default=0)

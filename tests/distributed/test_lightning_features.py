@@ -1,0 +1,134 @@
+"""Trainer features users rely on, under GaudiFSDPStrategy with 2 CPU processes, checked against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BLOCK = "common.Block"
+
+
+def _assert_close_weights(a, b, atol=1e-5):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _changed(a, b) -> bool:
+    return any(not torch.allclose(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("algorithm", "value"), [("norm", 0.05), ("value", 0.002)])
+def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
+    module = {"optimizer": "sgd", "scheduler": False, "lr": 0.5}
+    trainer = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    ref = scenario(
+        {"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}, "trainer": trainer}
+    ).final()
+    got = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "max_steps": 3,
+            "module": {**module, "batch_size": 4},
+            "trainer": trainer,
+        }
+    ).final()
+    _assert_close_weights(got["weights"], ref["weights"])
+    # clipping really bit: without it the weights end elsewhere
+    unclipped = scenario({"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}}).final()
+    assert _changed(unclipped["weights"], ref["weights"])
+
+
+def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario):
+    ref = scenario({"strategy": "reference", "max_steps": 3, "module": {"batch_size": 8}}).final()
+    got = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "max_steps": 3,
+            "module": {"batch_size": 2},
+            "trainer": {"accumulate_grad_batches": 2},
+        }
+    ).final()
+    assert got["step"] == ref["step"] == 3
+    _assert_close_weights(got["weights"], ref["weights"])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
+def test_precision_matrix_trains(scenario, precision):
+    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": precision}, "max_steps": 4})
+    info = run.rank(0)
+    assert info["global_step"] == 4
+    assert all(torch.isfinite(torch.tensor(info["losses"])))
+    expected = {
+        "32-true": "torch.float32",
+        "bf16-mixed": "torch.bfloat16",
+        "bf16-true": "torch.bfloat16",
+        "16-mixed": "torch.float16",
+    }[precision]
+    assert info["fc_forward"]["output"] == expected
+
+
+def test_sync_dist_logging_collectives_and_torchmetrics(scenario):
+    info = scenario({"case": "sync", "strategy": {"auto_wrap_policy": [BLOCK]}}, script="features.py").rank(0)
+    assert info["logged"] == {"rank_mean": 1.5, "rank_sum": 3.0, "rank_max": 2.0, "rank_min": 1.0}
+    assert info["reduce_sum"] == 3.0
+    assert info["reduce_mean"] == 1.5
+    assert info["all_gather"] == [1.0, 2.0]
+    assert info["broadcast"] == {"from": 0, "list": [1, 2]}
+    assert info["metric"] == 1.5  # synced across ranks
+    assert info["metric_device"] == "cpu"
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt):
+    info = scenario(
+        {
+            "case": "eval_loops",
+            "ckpt": str(tmp_path / "m.ckpt"),
+            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt},
+        },
+        script="features.py",
+    ).rank(0)
+    assert info["val_from_ckpt"] == pytest.approx(info["val_current"], abs=1e-6)
+    assert info["test_from_ckpt"] == pytest.approx(info["val_current"], abs=1e-6)  # same data, same weights
+    assert info["predict_matches_plain_model"] is True
+
+
+def test_manual_optimization_is_refused_with_the_reason(scenario):
+    run = scenario(
+        {"case": "manual", "strategy": {"auto_wrap_policy": [BLOCK]}},
+        script="features.py",
+        expect_ok=False,
+        timeout=120,
+    )
+    assert run.proc.returncode != 0
+    assert "GaudiFSDPStrategy does not support manual optimization (automatic_optimization=False)" in run.proc.stderr
+
+
+def test_parameter_groups_with_use_orig_params(scenario):
+    info = scenario({"case": "groups", "strategy": {"auto_wrap_policy": [BLOCK]}}, script="features.py").rank(0)
+    assert info["groups"] == 2
+    assert sum(info["losses"][-8:]) < sum(info["losses"][:8])
+
+
+def test_parameter_groups_without_use_orig_params_is_a_clear_error(scenario):
+    run = scenario(
+        {"case": "groups", "strategy": {"auto_wrap_policy": [BLOCK], "use_orig_params": False}},
+        script="features.py",
+        expect_ok=False,
+        timeout=120,
+    )
+    assert run.proc.returncode != 0
+    assert "use_orig_params=True" in run.proc.stderr
+
+
+def test_checkpoint_early_stopping_and_lr_monitor(scenario, tmp_path):
+    run = scenario(
+        {"case": "callbacks", "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}},
+        script="features.py",
+    )
+    info = run.rank(0)
+    assert info["stopped"] is True
+    assert info["epochs_run"] < 10
+    assert info["best"].endswith(".ckpt")
+    assert info["lr_logged"] is True
