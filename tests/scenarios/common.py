@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ class Module(L.LightningModule):
         rank_dependent_init: bool = False,
         n_samples: int = 256,
         width: int = FEATURES,
+        fail: dict | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -72,7 +74,17 @@ class Module(L.LightningModule):
                     p.fill_(0.01 * (rank + 1))
         self.seen_dtypes: dict[str, str] = {}
 
+    def _maybe_fail(self, where: str, step: int = 0) -> None:
+        fail = self.hparams.fail
+        rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0"))
+        if not fail or fail["where"] != where or fail["rank"] != rank or fail.get("step", 0) != step:
+            return
+        if fail.get("kind") == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"boom in {where} on rank {rank}")
+
     def configure_model(self) -> None:
+        self._maybe_fail("configure_model")
         if self.net is None:
             with torch.device("meta"):
                 self.net = Net(self.hparams.depth)
@@ -81,6 +93,7 @@ class Module(L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._maybe_fail("training_step", batch_idx)
         x, y = batch
         out = self(x)
         # An fp32 op written outside the model: under "mixed" it must run in low precision.

@@ -145,6 +145,7 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"])
     L.seed_everything(cfg.get("seed", 7), workers=True)

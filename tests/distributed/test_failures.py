@@ -1,0 +1,79 @@
+"""One rank fails: every process exits non-zero within a bounded time and the user sees the failing rank's error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_gaudi_fsdp.checkpoint.convert import describe
+
+BLOCK = "common.Block"
+BOUND_S = 90  # far below the 30-minute default process-group timeout
+
+
+def _failing_run(scenario, fail: dict, **extra):
+    started = time.monotonic()
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "timeout": 60},
+            "module": {"n_samples": 64, "fail": fail},
+            "max_steps": 6,
+            **extra,
+        },
+        expect_ok=False,
+        timeout=BOUND_S + 60,
+    )
+    elapsed = time.monotonic() - started
+    assert run.proc.returncode != 0
+    assert elapsed < BOUND_S, f"took {elapsed:.0f}s"
+    return run
+
+
+@pytest.mark.parametrize("where", ["training_step", "configure_model"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_raising_stops_every_rank_with_its_error(scenario, where, rank):
+    run = _failing_run(scenario, {"where": where, "rank": rank, "step": 2 if where == "training_step" else 0})
+    assert f"RuntimeError: boom in {where} on rank {rank}" in run.proc.stderr
+
+
+def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded", "timeout": 60},
+            "module": {"n_samples": 64},
+            "max_steps": 6,
+            "save_at_step": 2,
+            "save_path_in_loop": str(ckpt),
+            "kill_on_save": {"rank": 1, "nth": 1},
+        },
+        expect_ok=False,
+        timeout=BOUND_S + 60,
+    )
+    assert run.proc.returncode != 0
+    assert not ckpt.exists()
+
+
+def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loads(scenario, tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    run = _failing_run(
+        scenario,
+        {"where": "training_step", "rank": 1, "step": 4, "kind": "sigkill"},
+        save_at_step=2,
+        save_path_in_loop=str(ckpt),
+        **{"strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}},
+    )
+    assert "Check the logs of the remote worker" in run.proc.stderr  # gloo names the lost peer by address
+    assert describe(ckpt)["global_step"] == 2
+    resumed = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local"},
+            "module": {"n_samples": 64},
+            "max_steps": 3,
+            "ckpt_path": str(ckpt),
+        }
+    ).final()
+    assert resumed["step"] == 3
+    assert all(torch.isfinite(v).all() for v in resumed["weights"].values())

@@ -1,0 +1,143 @@
+"""Launching beyond one machine: two torchrun "nodes" on loopback, and a SLURM-style environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gaudi_fsdp import GaudiFSDPStrategy
+
+BLOCK = "common.Block"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(cfg: dict, tmp_path, timeout: float = 180, per_node: int = 1) -> None:
+    """One torchrun agent per node (node_rank 0 and 1), ``per_node`` processes each, rendezvous on loopback."""
+    from conftest import SCENARIOS, _env
+
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(cfg))
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            str(per_node),
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(SCENARIOS / "train.py"),
+            str(cfg_file),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=SCENARIOS,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail("two-node run hung")
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-4000:]
+
+
+def _cfg(tmp_path, name: str, strategy: dict, devices: int = 1, **extra) -> dict:
+    out = tmp_path / name
+    return {
+        "out": str(out),
+        "devices": devices,
+        "trainer": {"num_nodes": 2},
+        "strategy": strategy,
+        "max_steps": 3,
+        "module": {"n_samples": 64},
+        **extra,
+    }
+
+
+def _rank(tmp_path, name: str, rank: int) -> dict:
+    return json.loads((tmp_path / name / f"rank{rank}.json").read_text())
+
+
+def test_two_torchrun_nodes_hybrid_shard_on_a_nodes_by_devices_mesh(tmp_path):
+    strategy = {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": [BLOCK]}
+    _two_nodes(_cfg(tmp_path, "hybrid", strategy, devices=2), tmp_path, per_node=2)
+    for rank in range(4):
+        info = _rank(tmp_path, "hybrid", rank)
+        assert info["world_size"] == 4
+        assert info["units"][0]["sharding_strategy"] == "HYBRID_SHARD"
+        # sharded across the 2 devices of a node, replicated across the 2 nodes
+        assert all(
+            u["local_numel"] * 2 >= u["unsharded_numel"] > u["local_numel"] for u in info["units"] if "local_numel" in u
+        )
+
+
+def test_two_torchrun_nodes_full_shard_save_and_reload_sharded(tmp_path):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    ckpt = tmp_path / "ckpt"
+    _two_nodes(_cfg(tmp_path, "save", strategy, save_path=str(ckpt)), tmp_path)
+    for rank in (0, 1):
+        units = [u for u in _rank(tmp_path, "save", rank)["units"] if "local_numel" in u]
+        assert all(u["local_numel"] * 2 >= u["unsharded_numel"] > u["local_numel"] for u in units)
+    saved = torch.load(tmp_path / "save" / "final.pt", weights_only=False)
+    _two_nodes(_cfg(tmp_path, "load", strategy, ckpt_path=str(ckpt)), tmp_path)
+    loaded = torch.load(tmp_path / "load" / "final.pt", weights_only=False)
+    assert loaded["step"] == 3
+    for key, value in saved["weights"].items():
+        assert torch.equal(loaded["weights"][key], value), key
+
+
+def test_slurm_environment_resolves_ranks(monkeypatch):
+    env = {
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NODELIST": "node[01-02]",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=GaudiFSDPStrategy(), logger=False)
+    strategy = trainer.strategy
+    assert type(strategy.cluster_environment).__name__ == "SLURMEnvironment"
+    strategy.set_world_ranks()
+    assert (strategy.global_rank, strategy.local_rank, strategy.node_rank, strategy.world_size) == (3, 1, 1, 4)
+    assert strategy.cluster_environment.main_address == "node01"
