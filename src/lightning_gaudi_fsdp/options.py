@@ -133,11 +133,11 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
 def import_object(path: str, argument: str) -> Any:
     """Import ``package.module.Name`` (the last dot separates the attribute)."""
     module_name, _, attr = path.strip().rpartition(".")
-    if not module_name or not attr:
+    if not module_name or not attr or module_name.startswith(".") or not attr.isidentifier():
         raise ValueError(f"{argument}: {path!r} is not a dotted class path such as 'torch.nn.Linear'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
+    except (ImportError, TypeError, ValueError) as err:
         raise ValueError(f"{argument}: cannot import module {module_name!r} for {path!r} ({err})") from err
     try:
         return getattr(module, attr)

@@ -450,9 +450,11 @@ def _resolve_backend(value: str | None) -> str | None:
 def _resolve_timeout(value: timedelta | float | None) -> timedelta | None:
     if value is None or isinstance(value, timedelta):
         return value
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 86400 * 365:
         return timedelta(seconds=value)
-    raise ValueError(f"timeout={value!r} is not supported; expected a timedelta or a positive number of seconds")
+    raise ValueError(
+        f"timeout={value!r} is not supported; expected a timedelta or a positive number of seconds (under a year)"
+    )
 
 
 def _resolve_callable(value: Any, argument: str) -> Any:

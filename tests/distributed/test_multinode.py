@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,10 +70,8 @@ def _two_nodes(cfg: dict, tmp_path, timeout: float = 180, per_node: int = 1) -> 
         pytest.fail("two-node run hung")
     finally:
         for proc in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out[-4000:]
 
