@@ -16,5 +16,5 @@ else
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -c "import torch" >/dev/null 2>&1 || "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
-"$VENV/bin/pip" install -q "$LIGHTNING_SPEC" -e ".[test,examples]"
+"$VENV/bin/pip" install -q "$LIGHTNING_SPEC" -e ".[test,examples,benchmarks]"
 "$VENV/bin/python" -c "import torch, lightning, lightning_gaudi_fsdp; print('torch', torch.__version__, '| lightning', lightning.__version__, '| lightning-gaudi-fsdp', lightning_gaudi_fsdp.__version__)"
