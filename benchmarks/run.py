@@ -147,8 +147,8 @@ def _print_tables(results: dict[str, Any]) -> None:
         )
         print(f"{'disk (fsync)':12} {c['disk']['save_s']:9.2f} {'':>9} {c['disk']['bytes'] / 2**20:9.1f} {1.0:9.2f}")
         print(
-            f"full save / torch.save: {c['full']['save_vs_torch_save']:.2f} (target <= 1.5); rank 0 peak RSS added by the save / "
-            f"state bytes: {c['full']['peak_rss_vs_state']:.2f} (target <= 1.3)"
+            f"full save / torch.save: {c['full']['save_vs_torch_save']:.2f} (target <= 1.5); "
+            f"rank 0 peak RSS added by the save / state bytes: {c['full']['peak_rss_vs_state']:.2f} (target <= 1.3)"
         )
         for key, seconds in c["reshard_load_s"].items():
             print(f"sharded load at world size {key}: {seconds:.2f} s")

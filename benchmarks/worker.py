@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+import contextlib
+
 from models import batch, build, loss_fn  # noqa: E402
 
 
@@ -41,10 +43,8 @@ def _rss_now_bytes() -> int:
 
 
 def _reset_rss_peak() -> None:
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def _fsdp_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
