@@ -5,7 +5,8 @@ Importing this package registers, once and only where the names are free:
 - the ``hpu`` accelerator in Lightning's ``AcceleratorRegistry`` (Lightning >= 2.5.6 ships none);
 - the strategy names ``gaudi_fsdp`` and ``hpu_fsdp`` (lightning-habana's name) in the ``StrategyRegistry``.
 
-It never imports ``habana_frameworks``.
+It never imports ``habana_frameworks``. If lightning-habana is installed but cannot be imported (1.6.0 on Lightning
+2.6), one warning says so and everything else works.
 """
 
 from __future__ import annotations
@@ -31,4 +32,23 @@ def register() -> None:
     GaudiFSDPStrategy.register_strategies(StrategyRegistry)
 
 
+def _check_lightning_habana() -> None:
+    """lightning-habana is optional and archived; when it is installed but broken, say so once and carry on."""
+    import importlib
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("lightning_habana") is None:
+        return
+    try:
+        importlib.import_module("lightning_habana")
+    except Exception as err:
+        warnings.warn(
+            f"lightning-habana is installed but does not import with this Lightning ({type(err).__name__}: {err}). "
+            "lightning-gaudi-fsdp does not need it; `pip uninstall lightning-habana` silences this warning.",
+            stacklevel=2,
+        )
+
+
 register()
+_check_lightning_habana()
