@@ -201,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     _print_tables(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "latest.json").write_text(json.dumps(results, indent=1))
+    latest = args.out / "latest.json"
+    if args.only and latest.exists():
+        # a partial re-run updates its own sections and keeps the others
+        results = {**json.loads(latest.read_text()), **results}
+    latest.write_text(json.dumps(results, indent=1))
     _chart(results, args.out / "latest.png")
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'latest.png'}")
     return 0

@@ -77,3 +77,28 @@ def configuration_table(strategy: GaudiFSDPStrategy) -> str:
 
 def compiled_units(names: list[str]) -> None:
     log.info("torch.compile applied to %d module(s): %s", len(names), ", ".join(n or "<root>" for n in names))
+
+
+def fingerprint(model: Module, sharding: str) -> dict[str, object]:
+    """What every rank must agree on: sharding, the FSDP units and the unsharded size of each unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    units = {
+        _clean(name): (m._handle.flat_param._unpadded_unsharded_size.numel() if m._handle is not None else 0)
+        for name, m in model.named_modules()
+        if isinstance(m, FSDP)
+    }
+    return {"sharding_strategy": sharding, "units": units}
+
+
+def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
+    if a["sharding_strategy"] != b["sharding_strategy"]:
+        return f"sharding_strategy {a['sharding_strategy']} vs {b['sharding_strategy']}"
+    units_a, units_b = a["units"], b["units"]
+    assert isinstance(units_a, dict) and isinstance(units_b, dict)  # noqa: S101 - built by fingerprint()
+    if set(units_a) != set(units_b):
+        return f"{len(units_a)} FSDP units {sorted(units_a)[:4]} vs {len(units_b)} units {sorted(units_b)[:4]}"
+    unit = next(k for k in units_a if units_a[k] != units_b[k])
+    return f"unit {unit or '<root>'!r} holds {units_a[unit]} vs {units_b[unit]} parameters"

@@ -301,8 +301,22 @@ class GaudiFSDPStrategy(FSDPStrategy):
             )
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
+        self._check_ranks_agree()
         if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
             rank_zero_info(_report.configuration_table(self))
+
+    def _check_ranks_agree(self) -> None:
+        """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+        fingerprint of the wrapping on every rank first and fail on all of them with the difference."""
+        fingerprint = _report.fingerprint(self._wrapped_model(), self.sharding_strategy.name)
+        gathered = self._gather_objects(fingerprint)
+        for rank, other in enumerate(gathered):
+            if other != fingerprint:
+                diff = _report.describe_difference(gathered[0], other)
+                raise ValueError(
+                    f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
+                    "build the same model with the same strategy arguments"
+                )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -126,3 +126,18 @@ def test_cli_errors_are_one_line_with_exit_code_2(saved, tmp_path):
     assert out.returncode == 2
     assert "already exists" in out.stderr
     assert existing.read_bytes() == before  # nothing the user had is lost
+
+
+def test_lightning_consolidate_checkpoint_reads_our_sharded_format(saved, tmp_path):
+    ckpt, final = saved["sharded"]
+    src = tmp_path / "sharded.ckpt"
+    shutil.copytree(ckpt, src)
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    consolidated = tmp_path / "sharded.ckpt.consolidated"
+    torch.testing.assert_close(_plain_module_output(consolidated), _reference_output(final["weights"]), atol=0, rtol=0)

@@ -77,3 +77,20 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     ).final()
     assert resumed["step"] == 3
     assert all(torch.isfinite(v).all() for v in resumed["weights"].values())
+
+
+def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario):
+    started = time.monotonic()
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "strategy_rank1": {"auto_wrap_policy": None},
+            "module": {"n_samples": 64},
+            "max_steps": 2,
+        },
+        expect_ok=False,
+        timeout=BOUND_S + 60,
+    )
+    assert run.proc.returncode != 0
+    assert time.monotonic() - started < BOUND_S
+    assert "ranks disagree on the FSDP configuration (rank 0 vs rank 1: 4 FSDP units" in run.proc.stderr

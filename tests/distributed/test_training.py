@@ -183,3 +183,19 @@ def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario):
             assert unit["sharding_strategy"] == "HYBRID_SHARD"
             if "local_numel" in unit:
                 assert unit["local_numel"] == math.ceil(unit["unsharded_numel"] / 2)
+
+
+def test_ignored_states_by_name(scenario):
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "ignored_states": ["net.head.weight", "net.head.bias"]},
+            "max_steps": 1,
+        }
+    )
+    assert run.rank(1)["ignored_params"] == ["net.head.bias", "net.head.weight"]
+
+
+def test_unknown_ignored_module_name_lists_close_matches(scenario):
+    run = scenario({"strategy": {"ignored_modules": ["net.haed"]}, "max_steps": 1}, expect_ok=False, timeout=120)
+    assert run.proc.returncode != 0
+    assert "ignored_modules: 'net.haed' is not a module of Module; closest: 'net.head'" in run.proc.stderr

@@ -30,11 +30,12 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self, depth: int = 3, width: int = FEATURES) -> None:
         super().__init__()
+        self.proj = nn.Linear(FEATURES, width) if width != FEATURES else nn.Identity()
         self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
+        return self.head(self.blocks(self.proj(x)))
 
 
 class RandomRegression(Dataset):
@@ -66,7 +67,7 @@ class Module(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net: nn.Module | None = None if meta_init else Net(depth)
+        self.net: nn.Module | None = None if meta_init else Net(depth, width)
         if rank_dependent_init and self.net is not None:
             rank = int(os.environ.get("LOCAL_RANK", "0"))
             with torch.no_grad():
@@ -87,7 +88,7 @@ class Module(L.LightningModule):
         self._maybe_fail("configure_model")
         if self.net is None:
             with torch.device("meta"):
-                self.net = Net(self.hparams.depth)
+                self.net = Net(self.hparams.depth, self.hparams.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

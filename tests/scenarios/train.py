@@ -24,11 +24,29 @@ def fsdp_units(model: torch.nn.Module) -> list[Any]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
 
 
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 class Probe(Callback):
     def __init__(self, out: Path, cfg: dict[str, Any]) -> None:
         self.out, self.cfg, self.info, self.losses = out, cfg, {}, []
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # runs before configure_model and FSDP wrapping: reset the peak-RSS counter to measure what setup adds
+        Path("/proc/self/clear_refs").write_text("5")
+        self.rss_before_setup = _status_bytes("VmRSS")
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.info["setup_peak_added_bytes"] = _status_bytes("VmHWM") - self.rss_before_setup
+        self.info["model_bytes"] = 4 * sum(
+            u._handle.flat_param._unpadded_unsharded_size.numel()
+            for u in [m for _, m in fsdp_units(trainer.strategy.model)]
+            if u._handle is not None
+        )
         model = trainer.strategy.model
         if not fsdp_units(model):
             return
@@ -166,6 +184,8 @@ def main() -> None:
     if strategy_cfg == "reference":
         trainer_kwargs.update(devices=1, strategy="auto")
     else:
+        if cfg.get("strategy_rank1") and int(os.environ.get("LOCAL_RANK", "0")) == 1:
+            strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
     callbacks: list[Callback] = [Probe(out, cfg)]
     if cfg.get("save_at_step"):
