@@ -125,6 +125,32 @@ class SaveAtStep(Callback):
             trainer.save_checkpoint(self.path)
 
 
+class Soak(Callback):
+    """Rotate the checkpoint format before each ModelCheckpoint save and sample RSS, open fds and files on disk."""
+
+    def __init__(self, every: int, dirpath: str, formats_: list[str]) -> None:
+        self.every, self.dirpath, self.formats = every, Path(dirpath), formats_
+        self.samples: list[dict[str, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step % self.every == 0:  # ModelCheckpoint saves right after this hook
+            trainer.strategy._state_dict_type = self.formats[(step // self.every) % len(self.formats)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step and step % self.every == 0:
+            entries = [p for p in self.dirpath.iterdir() if not p.name.startswith(".")] if self.dirpath.exists() else []
+            self.samples.append(
+                {
+                    "step": step,
+                    "rss": _status_bytes("VmRSS"),
+                    "fds": len(os.listdir("/proc/self/fd")),
+                    "checkpoints": len(entries),
+                }
+            )
+
+
 def arm_kill_on_save(rank: int, nth: int) -> None:
     """On ``rank``, the ``nth`` checkpoint write writes half its bytes, then the process SIGKILLs itself."""
     import signal
@@ -190,6 +216,10 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if cfg.get("save_at_step"):
         callbacks.append(SaveAtStep(cfg["save_at_step"], cfg["save_path_in_loop"]))
+    soak = None
+    if cfg.get("soak"):
+        soak = Soak(cfg["soak"]["every"], cfg["soak"]["dirpath"], cfg["soak"]["formats"])
+        callbacks.append(soak)
     if cfg.get("model_checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -199,6 +229,8 @@ def main() -> None:
     with trainer.init_module(empty_init=cfg.get("empty_init", False)) if cfg.get("init_module") else _null():
         pass
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
+    if soak is not None:
+        write_json(out, f"soak{trainer.global_rank}.json", soak.samples)
     if cfg.get("save_path"):
         trainer.save_checkpoint(cfg["save_path"])
     model = trainer.strategy.model
