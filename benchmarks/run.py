@@ -171,8 +171,12 @@ def _chart(results: dict[str, Any], path: Path) -> None:
     if "checkpoint" in results:
         c = results["checkpoint"]
         names = ["full", "sharded", "local", "torch_save", "disk"]
-        axes[1].bar(names, [c[n]["save_s"] for n in names], color="tab:orange", label="save")
-        axes[1].bar(names[:4], [c[n]["load_s"] for n in names[:4]], color="tab:green", alpha=0.6, label="load")
+        where = range(len(names))
+        axes[1].bar([i - 0.2 for i in where], [c[n]["save_s"] for n in names], width=0.4, color="tab:orange",
+                    label="save")
+        axes[1].bar([i + 0.2 for i in where[:4]], [c[n]["load_s"] for n in names[:4]], width=0.4, color="tab:green",
+                    label="load")
+        axes[1].set_xticks(list(where), names)
         axes[1].set_ylabel("seconds")
         axes[1].set_title("Checkpoint save / load")
         axes[1].legend()
