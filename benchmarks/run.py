@@ -172,10 +172,16 @@ def _chart(results: dict[str, Any], path: Path) -> None:
         c = results["checkpoint"]
         names = ["full", "sharded", "local", "torch_save", "disk"]
         where = range(len(names))
-        axes[1].bar([i - 0.2 for i in where], [c[n]["save_s"] for n in names], width=0.4, color="tab:orange",
-                    label="save")
-        axes[1].bar([i + 0.2 for i in where[:4]], [c[n]["load_s"] for n in names[:4]], width=0.4, color="tab:green",
-                    label="load")
+        axes[1].bar(
+            [i - 0.2 for i in where], [c[n]["save_s"] for n in names], width=0.4, color="tab:orange", label="save"
+        )
+        axes[1].bar(
+            [i + 0.2 for i in where[:4]],
+            [c[n]["load_s"] for n in names[:4]],
+            width=0.4,
+            color="tab:green",
+            label="load",
+        )
         axes[1].set_xticks(list(where), names)
         axes[1].set_ylabel("seconds")
         axes[1].set_title("Checkpoint save / load")

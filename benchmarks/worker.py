@@ -28,16 +28,10 @@ def _write(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     Path(cfg["result"]).write_text(json.dumps(result))
 
 
-def _rss_peak_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss_now_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -81,7 +75,7 @@ def _raw_entry(rank: int, cfg: dict[str, Any], port: int) -> None:
     result: dict[str, Any] = {"step_times": times}
     if cfg.get("count_memory"):
         result.update(_held_bytes(model, optimizer))
-        result["peak_rss"] = _rss_peak_bytes()
+        result["peak_rss"] = _status_bytes("VmHWM")
     gathered: list[Any] = [None] * cfg["world_size"]
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -233,9 +227,9 @@ def checkpoint(cfg: dict[str, Any]) -> None:
         strategy._state_dict_type = fmt
         path = out / f"ckpt-{fmt}"
         _reset_rss_peak()
-        before = _rss_now_bytes()
+        before = _status_bytes("VmRSS")
         save_s = _sync_time(lambda p=path: trainer.save_checkpoint(p))
-        peak = _rss_peak_bytes() - before  # what the save added on top of the trained model
+        peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
         load_s = _sync_time(lambda p=path: strategy.load_checkpoint(p))
         result[fmt] = {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
     # baselines on rank 0: torch.save/torch.load of the same full state, and raw sequential writes with fsync

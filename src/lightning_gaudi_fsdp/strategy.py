@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _report, gaudi, options
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -407,7 +407,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         device_type = self.root_device.type
         pending, error = None, None
         try:
-            pending = formats.check_load(
+            pending = loading.check_load(
                 path,
                 model,
                 world_size=self.world_size,
@@ -424,7 +424,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
             rank, problem = failed[0] if failed else (self.global_rank, str(error))
             raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return formats.apply_load(
+        return loading.apply_load(
             pending,
             model,
             self.optimizers,

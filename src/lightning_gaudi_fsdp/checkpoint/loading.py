@@ -1,0 +1,262 @@
+"""Check a checkpoint against the model on every rank, then load it: full, sharded or local (format from disk).
+
+:func:`check_load` reads and checks what this rank needs without changing the model; the caller lets the ranks agree
+on the outcome, then :func:`apply_load` changes the weights. Nothing here knows about Lightning or Gaudi.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_gaudi_fsdp.checkpoint.formats import (
+    LOCAL_TRAINER_STATE,
+    OPTIMIZER_GROUPS_KEY,
+    SHARDED_METADATA,
+    CheckpointError,
+    CheckpointFormat,
+    _torch_load,
+    detect_format,
+    local_shard_name,
+    read_local_metadata,
+    state_dict_context,
+)
+from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
+
+
+# ------------------------------------------------------------------------------------------------------ checking
+def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the parameters a full state dict of ``model`` must hold."""
+    shapes = {
+        (f"{e['prefix']}.{f}" if e["prefix"] else f): tuple(s)
+        for e in flat_param_layout(model)
+        for f, s in zip(e["fqns"], e["shapes"], strict=True)
+    }
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    for name, param in model.named_parameters():
+        clean = _clean(name)
+        if not isinstance(param, FlatParameter) and clean not in shapes:
+            shapes[clean] = tuple(param.shape)
+    return shapes
+
+
+def check_state_keys(
+    path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], strict: bool
+) -> None:
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected)) if strict else []
+    wrong = sorted(k for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} parameter(s) of this model, e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} parameter(s) this model does not have, e.g. {unexpected[:3]}")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} shape mismatch(es), e.g. {k!r} saved {tuple(saved[k])} vs model {expected[k]}")
+    if problems:
+        raise CheckpointError(path, "it was written for another model: " + "; ".join(problems))
+
+
+def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool) -> Any:
+    """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise CheckpointError(path, f"the distributed-checkpoint metadata (.metadata) is unreadable: {err}") from err
+    for info in metadata.storage_data.values():
+        file = path / info.relative_path
+        if not file.is_file():
+            raise CheckpointError(path, f"shard file {info.relative_path!r} is missing")
+        if file.stat().st_size < info.offset + info.length:
+            raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
+    saved = {
+        key.removeprefix("model."): tuple(md.size)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    expected = {k: tuple(v.size()) for k, v in model_state.items() if hasattr(v, "size")}
+    check_state_keys(path, saved, expected, strict)
+    return metadata
+
+
+def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[str, Any]:
+    meta = read_local_metadata(path)
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(
+            path,
+            f"this local checkpoint was saved with world size {meta.get('world_size')} and this run has world size "
+            f"{world_size}; a local checkpoint only loads at the world size that wrote it. Convert it with "
+            f"`lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it at another size",
+        )
+    current = flat_param_layout(model)
+    saved_units = [(e["key"], e["fqns"], e["shapes"]) for e in meta.get("flat_params", [])]
+    if saved_units != [(e["key"], e["fqns"], e["shapes"]) for e in current]:
+        raise CheckpointError(
+            path,
+            "its FSDP wrap layout differs from this model's (another model, auto_wrap_policy or use_orig_params); "
+            f"saved units {meta.get('fsdp_units')} vs current {fsdp_units(model)}",
+        )
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+@dataclass
+class PendingLoad:
+    """A checkpoint that passed every check on this rank; :func:`apply_load` changes the weights."""
+
+    fmt: CheckpointFormat
+    path: Path
+    rest: dict[str, Any]
+    model_state: dict[str, Any] = field(default_factory=dict)
+    optimizer_states: list[Any] | None = None
+    dcp_metadata: Any = None
+
+
+def check_load(
+    path: str | os.PathLike[str], model: Module, *, world_size: int, rank: int, device_type: str, strict: bool
+) -> PendingLoad:
+    """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
+    Raises :class:`CheckpointError`; nothing in ``model`` is changed.
+
+    Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
+    rank only: every rank reaches the caller's agreement step having run the same collectives."""
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt in ("sharded", "local"):
+        with state_dict_context(model, fmt, device_type):
+            current = model.state_dict()
+    if fmt == "full":
+        checkpoint = _torch_load(path, path, "the checkpoint file")
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise CheckpointError(path, "it has no 'state_dict' entry; it is not a Lightning checkpoint")
+        state = checkpoint.pop("state_dict")
+        saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        check_state_keys(path, saved, expected_full_shapes(model), strict)
+        return PendingLoad(fmt, path, checkpoint, state, checkpoint.pop("optimizer_states", None))
+    if fmt == "sharded":
+        rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
+        metadata = check_sharded(path, current, strict)
+        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata)
+    check_local(path, model, world_size, rank)
+    rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
+    shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
+    if not isinstance(shard, dict) or "model" not in shard:
+        raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
+    missing = [k for k in current if k.endswith(FLAT_PARAM) and k not in shard["model"]]
+    if missing:
+        raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")
+    return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"))
+
+
+def apply_load(
+    pending: PendingLoad,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    device_type: str,
+    strict: bool,
+    load_optimizers: bool,
+) -> dict[str, Any]:
+    """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
+    path, rest = pending.path, pending.rest
+    if pending.fmt == "full":
+        with state_dict_context(model, "full", device_type, rank0_only=False):
+            model.load_state_dict(pending.model_state, strict=strict)
+        if load_optimizers and pending.optimizer_states is not None:
+            _check_optimizer_count(path, pending.optimizer_states, optimizers)
+            _load_full_optimizers(model, optimizers, pending.optimizer_states, device_type)
+    elif pending.fmt == "sharded":
+        _load_sharded(pending, model, optimizers, device_type, strict, load_optimizers)
+    else:
+        _load_local(pending, model, device_type)
+        if load_optimizers and pending.optimizer_states is not None:
+            _check_optimizer_count(path, pending.optimizer_states, optimizers)
+            for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
+                optimizer.load_state_dict(state)
+    return rest
+
+
+def _check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:
+    if len(states) != len(optimizers):
+        raise CheckpointError(path, f"it holds {len(states)} optimizer state(s); this run has {len(optimizers)}")
+
+
+def _load_full_optimizers(
+    model: Module, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]], device_type: str
+) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    for optimizer, state in zip(optimizers, states, strict=True):
+        if not state.get("state"):
+            # Nothing to shard (e.g. SGD without momentum): the hyper-parameters are all there is.
+            optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
+            continue
+        if isinstance(next(iter(state["state"])), int):
+            state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, model)
+        with state_dict_context(model, "full", device_type, rank0_only=False):
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
+
+
+def _merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    current = optimizer.state_dict()["param_groups"]
+    return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
+
+
+def _load_sharded(
+    pending: PendingLoad,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    device_type: str,
+    strict: bool,
+    load_optimizers: bool,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    path, keys = pending.path, set(pending.dcp_metadata.state_dict_metadata)
+    groups = pending.rest.pop(OPTIMIZER_GROUPS_KEY, [])
+    with state_dict_context(model, "sharded", device_type):
+        state = {"model": pending.model_state}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"], strict=strict)
+        if not load_optimizers or not any(k.startswith("optimizer_") for k in keys):
+            return  # a weights-only checkpoint
+        reader = dcp.FileSystemReader(str(path))
+        for idx, optimizer in enumerate(optimizers):
+            key = f"optimizer_{idx}"
+            if not any(k.startswith(f"{key}.") for k in keys):
+                raise CheckpointError(path, f"it holds no state for optimizer {idx}")
+            if not any(k.startswith(f"{key}.state.") for k in keys):
+                # No per-parameter state (e.g. SGD without momentum): restore the hyper-parameters we stored.
+                if idx < len(groups):
+                    optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
+                continue
+            loaded = load_sharded_optimizer_state_dict(state["model"], key, reader)[key]
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, loaded))
+
+
+def _load_local(pending: PendingLoad, model: Module, device_type: str) -> None:
+    with state_dict_context(model, "local", device_type), torch.no_grad():
+        current = model.state_dict()
+        for key, value in pending.model_state.items():
+            if key.endswith(FLAT_PARAM):
+                local_shards = current[key].local_shards()
+                if local_shards:
+                    local_shards[0].tensor.copy_(value)
+            else:
+                current[key] = value
+        model.load_state_dict(current, strict=False)
