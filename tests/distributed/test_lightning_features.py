@@ -79,12 +79,14 @@ def test_sync_dist_logging_collectives_and_torchmetrics(scenario):
     assert info["metric_device"] == "cpu"
 
 
+@pytest.mark.parametrize("weights_only", [False, True])
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
-def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt):
+def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt, weights_only):
     info = scenario(
         {
             "case": "eval_loops",
             "ckpt": str(tmp_path / "m.ckpt"),
+            "weights_only": weights_only,
             "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt},
         },
         script="features.py",

@@ -125,7 +125,7 @@ def main() -> None:
         trainer = _trainer(cfg, max_steps=3, limit_val_batches=2)
         trainer.fit(module)
         ckpt = Path(cfg["ckpt"])
-        trainer.save_checkpoint(ckpt)
+        trainer.save_checkpoint(ckpt, weights_only=cfg.get("weights_only", False))
         current = trainer.validate(module, verbose=False)[0]["val_loss"]
         trainer2 = _trainer(cfg, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
         fresh = SyncModule(n_samples=64)
