@@ -11,6 +11,7 @@ import difflib
 import functools
 import importlib
 from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -20,6 +21,7 @@ from torch.nn import Module
 
 StateDictType = Literal["full", "sharded", "local"]
 STATE_DICT_TYPES: tuple[str, ...] = ("full", "sharded", "local")
+PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("hccl", "gloo", "nccl", "mpi")
 
 # One explicit table of the dtype spellings accepted in configs (``torch.`` prefixes are stripped first).
 TORCH_DTYPE_MAP: dict[str, torch.dtype] = {
@@ -336,3 +338,48 @@ def resolve_names_list(value: object, argument: str) -> list[Any] | None:
     if isinstance(value, Iterable) and not isinstance(value, Mapping):
         return list(value)
     raise TypeError(f"{argument} must be a list of module names or objects, got {type(value).__name__} {value!r}")
+
+
+def resolve_process_group_backend(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.strip().lower() not in PROCESS_GROUP_BACKENDS:
+        raise ValueError(
+            f"process_group_backend={value!r} is not supported; expected one of "
+            f"{', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)} or None"
+        )
+    return value.strip().lower()
+
+
+def resolve_timeout(value: timedelta | float | None) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 86400 * 365:
+        return timedelta(seconds=value)
+    raise ValueError(
+        f"timeout={value!r} is not supported; expected a timedelta or a positive number of seconds (under a year)"
+    )
+
+
+def resolve_callable(value: Any, argument: str) -> Any:
+    if isinstance(value, str):
+        value = import_object(value, argument)
+    if value is not None and not callable(value):
+        raise TypeError(f"{argument} must be a callable or None, got {type(value).__name__} {value!r}")
+    return value
+
+
+def resolve_device_id(value: Any) -> int | str | torch.device | None:
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError as err:
+            raise ValueError(f"device_id={value!r} is not a device; expected e.g. 'hpu:0', 'cpu' or 0") from err
+        return value
+    raise ValueError(
+        f"device_id={value!r} is not supported; expected None, a non-negative int, a device string or a torch.device"
+    )

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
-_PROCESS_GROUP_BACKENDS = ("hccl", "gloo", "nccl", "mpi")
 
 
 class GaudiFSDPStrategy(FSDPStrategy):
@@ -125,8 +124,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=_resolve_backend(process_group_backend),
-            timeout=_resolve_timeout(timeout),
+            process_group_backend=options.resolve_process_group_backend(process_group_backend),
+            timeout=options.resolve_timeout(timeout),
             cpu_offload=options.resolve_cpu_offload(cpu_offload),
             mixed_precision=options.resolve_mixed_precision(mixed_precision),
             auto_wrap_policy=wrap_policy,
@@ -134,7 +133,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
             state_dict_type=self._state_dict_type,  # type: ignore[arg-type]
             process_group=process_group,
             backward_prefetch=options.resolve_backward_prefetch(backward_prefetch),
-            param_init_fn=_resolve_callable(param_init_fn, "param_init_fn"),
+            param_init_fn=options.resolve_callable(param_init_fn, "param_init_fn"),
             sync_module_states=options.resolve_bool(sync_module_states, "sync_module_states"),
             forward_prefetch=options.resolve_bool(forward_prefetch, "forward_prefetch"),
             limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
@@ -148,7 +147,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self._ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
         if self._ignored_modules is not None and self._ignored_states is not None:
             raise ValueError("ignored_modules and ignored_states are mutually exclusive; pass only one of them")
-        self._device_id = _check_device_id(device_id)
+        self._device_id = options.resolve_device_id(device_id)
         self._activation_checkpointing_kwargs = options.resolve_activation_checkpointing_policy(
             activation_checkpointing_policy
         )
@@ -448,51 +447,6 @@ class GaudiFSDPStrategy(FSDPStrategy):
         for name in ("gaudi_fsdp", "hpu_fsdp"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
-
-
-def _resolve_backend(value: str | None) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or value.strip().lower() not in _PROCESS_GROUP_BACKENDS:
-        raise ValueError(
-            f"process_group_backend={value!r} is not supported; expected one of "
-            f"{', '.join(repr(b) for b in _PROCESS_GROUP_BACKENDS)} or None"
-        )
-    return value.strip().lower()
-
-
-def _resolve_timeout(value: timedelta | float | None) -> timedelta | None:
-    if value is None or isinstance(value, timedelta):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 86400 * 365:
-        return timedelta(seconds=value)
-    raise ValueError(
-        f"timeout={value!r} is not supported; expected a timedelta or a positive number of seconds (under a year)"
-    )
-
-
-def _resolve_callable(value: Any, argument: str) -> Any:
-    if isinstance(value, str):
-        value = options.import_object(value, argument)
-    if value is not None and not callable(value):
-        raise TypeError(f"{argument} must be a callable or None, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_device_id(value: Any) -> int | str | torch.device | None:
-    if value is None or isinstance(value, torch.device):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        try:
-            torch.device(value)
-        except RuntimeError as err:
-            raise ValueError(f"device_id={value!r} is not a device; expected e.g. 'hpu:0', 'cpu' or 0") from err
-        return value
-    raise ValueError(
-        f"device_id={value!r} is not supported; expected None, a non-negative int, a device string or a torch.device"
-    )
 
 
 def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> None:
