@@ -228,7 +228,19 @@ def checkpoint(cfg: dict[str, Any]) -> None:
         path = out / f"ckpt-{fmt}"
         _reset_rss_peak()
         before = _status_bytes("VmRSS")
+        profile = os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
+        if profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         save_s = _sync_time(lambda p=path: trainer.save_checkpoint(p))
+        if profile:
+            import pstats
+
+            profiler.disable()
+            with open(out / f"profile-{fmt}.txt", "w") as handle:
+                pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(30)
         peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
         load_s = _sync_time(lambda p=path: strategy.load_checkpoint(p))
         result[fmt] = {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
