@@ -139,3 +139,9 @@ def test_hccl_on_cpu_is_refused_before_processes_start():
 def test_default_backend_on_cpu_is_gloo():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), logger=False)
     assert trainer.strategy._get_process_group_backend() == "gloo"
+
+
+def test_device_mesh_that_does_not_match_the_world_size_fails_before_launch():
+    strategy = GaudiFSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=[2, 4])
+    with pytest.raises(ValueError, match=r"device_mesh=\[2, 4\] has 8 devices but the world size is 2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)

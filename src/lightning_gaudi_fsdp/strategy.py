@@ -131,6 +131,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
             auto_wrap_policy=wrap_policy,
             sharding_strategy=sharding,
             state_dict_type=self._state_dict_type,  # type: ignore[arg-type]
+            device_mesh=mesh,
             process_group=process_group,
             backward_prefetch=options.resolve_backward_prefetch(backward_prefetch),
             param_init_fn=options.resolve_callable(param_init_fn, "param_init_fn"),
@@ -142,6 +143,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         if process_group is None:
             self.kwargs.pop("process_group")
         # Kept apart from self.kwargs: Lightning would build a tuple mesh on "cuda"; we build it on our device.
+        self.kwargs.pop("device_mesh", None)
         self._device_mesh = mesh
         self._ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
         self._ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
@@ -187,6 +189,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        self._check_mesh_size(self.num_processes * self.num_nodes)  # before any process starts
         if self._on_hpu:
             self._get_process_group_backend()  # a wrong backend fails before any process starts
             gaudi.ensure_eager_mode()
@@ -202,15 +205,19 @@ class GaudiFSDPStrategy(FSDPStrategy):
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh
 
-            replicas, shard = self._device_mesh
-            if replicas * shard != self.world_size:
-                raise ValueError(
-                    f"device_mesh={list(self._device_mesh)} has {replicas * shard} devices but the world size is "
-                    f"{self.world_size}; replicas x shard_size must equal num_nodes x devices"
-                )
+            self._check_mesh_size(self.world_size)
             self._device_mesh = init_device_mesh(self.root_device.type, self._device_mesh)
         if self._device_mesh is not None:
             self.kwargs["device_mesh"] = self._device_mesh
+
+    def _check_mesh_size(self, world_size: int) -> None:
+        if isinstance(self._device_mesh, tuple) and world_size:
+            replicas, shard = self._device_mesh
+            if replicas * shard != world_size:
+                raise ValueError(
+                    f"device_mesh={list(self._device_mesh)} has {replicas * shard} devices but the world size is "
+                    f"{world_size}; replicas x shard_size must equal num_nodes x devices"
+                )
 
     # ---------------------------------------------------------------------------------------------------- precision
     @property
@@ -284,7 +291,6 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self._fsdp_root = model if isinstance(model, FSDP) else None
         if self._compile_kwargs is not None and previous is not model:
             _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
-        self.precision_plugin.set_device_type(self.root_device.type)
         self.precision_plugin.attach(model)
         return model
 

@@ -53,11 +53,31 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """2k steps without stopping, once per sharding strategy (the checkpoint format plays no part in training)."""
+    from conftest import run_script
+
+    runs: dict[str, dict] = {}
+
+    def get(sharding: str) -> dict:
+        if sharding not in runs:
+            cfg = {
+                "strategy": {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK]},
+                "module": _module(),
+                "max_steps": 2 * STEPS_PER_EPOCH,
+            }
+            runs[sharding] = run_script("train.py", cfg, tmp_path_factory.mktemp(sharding)).final()
+        return runs[sharding]
+
+    return get
+
+
 @pytest.mark.parametrize(("fmt", "sharding"), CASES)
-def test_resume_equals_uninterrupted_run(scenario, tmp_path, fmt, sharding):
+def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
     k = STEPS_PER_EPOCH
-    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    straight = uninterrupted(sharding)
     ckpt = tmp_path / f"ckpt-{fmt}"
     first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
     assert first.final()["step"] == k

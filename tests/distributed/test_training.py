@@ -170,11 +170,12 @@ def test_compile_compiles_each_unit(scenario):
     assert info["dynamo_frames_ok"] > 0
 
 
-def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario):
+@pytest.mark.parametrize("policy", [[BLOCK], None])
+def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario, policy):
     run = scenario(
         {
             "devices": 4,
-            "strategy": {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": [BLOCK]},
+            "strategy": {"sharding_strategy": "HYBRID_SHARD", "device_mesh": [2, 2], "auto_wrap_policy": policy},
             "max_steps": 2,
         }
     )
