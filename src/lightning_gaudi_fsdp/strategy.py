@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -294,6 +295,24 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self.precision_plugin.attach(model)
         return model
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "auto_wrap_policy"}
+        with enable_wrap(
+            wrapper_cls=FSDP,
+            cpu_offload=self._effective_cpu_offload(warn=False),
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self._fsdp_device(),
+            **kwargs,
+        ):
+            yield
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -347,10 +366,11 @@ class GaudiFSDPStrategy(FSDPStrategy):
             optimizer.zero_grad(set_to_none=True)
         return output
 
-    def _effective_cpu_offload(self) -> CPUOffload:
+    def _effective_cpu_offload(self, warn: bool = True) -> CPUOffload:
         if self.cpu_offload.offload_params and self._fsdp_device().type == "cpu":
             # FSDP pins offloaded shards, which needs an accelerator; on a CPU run they already live in CPU memory.
-            rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
+            if warn:
+                rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
             return CPUOffload(offload_params=False)
         return self.cpu_offload
 

@@ -200,3 +200,10 @@ def test_unknown_ignored_module_name_lists_close_matches(scenario):
     run = scenario({"strategy": {"ignored_modules": ["net.haed"]}, "max_steps": 1}, expect_ok=False, timeout=120)
     assert run.proc.returncode != 0
     assert "ignored_modules: 'net.haed' is not a module of Module; closest: 'net.head'" in run.proc.stderr
+
+
+def test_wrap_inside_configure_model_gets_a_device(scenario):
+    run = scenario({"strategy": {"limit_all_gathers": False}, "module": {"manual_wrap": True}, "max_steps": 2})
+    units = run.rank(0)["units"]
+    assert len(units) == 4  # three blocks and the head, wrapped by the user
+    assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)

@@ -64,6 +64,7 @@ class Module(L.LightningModule):
         n_samples: int = 256,
         width: int = FEATURES,
         fail: dict | None = None,
+        manual_wrap: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -89,6 +90,14 @@ class Module(L.LightningModule):
         if self.net is None:
             with torch.device("meta"):
                 self.net = Net(self.hparams.depth, self.hparams.width)
+        if self.hparams.manual_wrap and self.net is not None:
+            from torch.distributed.fsdp.wrap import wrap
+
+            # Lightning's pattern: wrap() inside configure_model uses the strategy's model_sharded_context
+            for i, block in enumerate(self.net.blocks):
+                self.net.blocks[i] = wrap(block)
+            self.net.head = wrap(self.net.head)
+            self.net.proj = wrap(self.net.proj) if any(True for _ in self.net.proj.parameters()) else self.net.proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
