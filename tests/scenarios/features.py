@@ -124,21 +124,22 @@ def main() -> None:
         module = SyncModule(n_samples=64)
         trainer = _trainer(cfg, max_steps=3, limit_val_batches=2)
         trainer.fit(module)
-        ckpt = Path(cfg["ckpt"])
-        trainer.save_checkpoint(ckpt, weights_only=cfg.get("weights_only", False))
-        current = trainer.validate(module, verbose=False)[0]["val_loss"]
-        trainer2 = _trainer(cfg, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
-        fresh = SyncModule(n_samples=64)
-        result["val_from_ckpt"] = trainer2.validate(fresh, ckpt_path=str(ckpt), verbose=False)[0]["val_loss"]
-        result["test_from_ckpt"] = trainer2.test(fresh, ckpt_path=str(ckpt), verbose=False)[0]["test_loss"]
-        preds = trainer2.predict(fresh, ckpt_path=str(ckpt))
-        result["val_current"] = current
+        ckpts = {"full": Path(cfg["ckpt"]), "weights_only": Path(cfg["ckpt"] + ".weights")}
+        for source, ckpt in ckpts.items():
+            trainer.save_checkpoint(ckpt, weights_only=source == "weights_only")
+        result["val_current"] = trainer.validate(module, verbose=False)[0]["val_loss"]
         full = formats.model_state_dict(trainer.strategy.model, "full", "cpu")
-        if trainer.global_rank == 0:
-            net = Net()
-            net.load_state_dict({k.removeprefix("net."): v for k, v in full.items()})
-            x = next(iter(fresh.val_dataloader()))[0]
-            result["predict_matches_plain_model"] = bool(torch.allclose(preds[0], net(x), atol=1e-6))
+        trainer2 = _trainer(cfg, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
+        for source, ckpt in ckpts.items():
+            fresh = SyncModule(n_samples=64)
+            result[f"{source}_val"] = trainer2.validate(fresh, ckpt_path=str(ckpt), verbose=False)[0]["val_loss"]
+            result[f"{source}_test"] = trainer2.test(fresh, ckpt_path=str(ckpt), verbose=False)[0]["test_loss"]
+            preds = trainer2.predict(fresh, ckpt_path=str(ckpt))
+            if trainer.global_rank == 0:
+                net = Net()
+                net.load_state_dict({k.removeprefix("net."): v for k, v in full.items()})
+                x = next(iter(fresh.val_dataloader()))[0]
+                result[f"{source}_predict_matches_plain_model"] = bool(torch.allclose(preds[0], net(x), atol=1e-6))
     elif case in ("manual", "groups"):
         cls = ManualModule if case == "manual" else GroupsModule
         module = cls(n_samples=64)
