@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,20 +57,19 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """2k steps without stopping, once per sharding strategy (the checkpoint format plays no part in training)."""
+    """2k steps without stopping, run once per training configuration: the checkpoint format plays no part in
+    training, so every format's resume compares against the same run."""
     from conftest import run_script
 
     runs: dict[str, dict] = {}
 
-    def get(sharding: str) -> dict:
-        if sharding not in runs:
-            cfg = {
-                "strategy": {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK]},
-                "module": _module(),
-                "max_steps": 2 * STEPS_PER_EPOCH,
-            }
-            runs[sharding] = run_script("train.py", cfg, tmp_path_factory.mktemp(sharding)).final()
-        return runs[sharding]
+    def get(strategy: dict, module: dict) -> dict:
+        training = {k: v for k, v in strategy.items() if k != "state_dict_type"}
+        key = json.dumps([training, module], sort_keys=True)
+        if key not in runs:
+            cfg = {"strategy": training, "module": module, "max_steps": 2 * STEPS_PER_EPOCH}
+            runs[key] = run_script("train.py", cfg, tmp_path_factory.mktemp("straight")).final()
+        return runs[key]
 
     return get
 
@@ -77,7 +78,7 @@ def uninterrupted(tmp_path_factory):
 def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
     k = STEPS_PER_EPOCH
-    straight = uninterrupted(sharding)
+    straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / f"ckpt-{fmt}"
     first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
     assert first.final()["step"] == k
@@ -87,10 +88,10 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
-def test_use_orig_params_false_resumes_exactly(scenario, tmp_path, fmt):
+def test_use_orig_params_false_resumes_exactly(scenario, tmp_path, uninterrupted, fmt):
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "use_orig_params": False}
     k = STEPS_PER_EPOCH
-    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / "ckpt"
     scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
@@ -98,11 +99,11 @@ def test_use_orig_params_false_resumes_exactly(scenario, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
-def test_sgd_without_momentum_resumes(scenario, tmp_path, fmt):
+def test_sgd_without_momentum_resumes(scenario, tmp_path, uninterrupted, fmt):
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
     module = _module(optimizer="sgd")
     k = STEPS_PER_EPOCH
-    straight = scenario({"strategy": strategy, "module": module, "max_steps": 2 * k}).final()
+    straight = uninterrupted(strategy, module)
     ckpt = tmp_path / "ckpt"
     scenario({"strategy": strategy, "module": module, "max_steps": k, **_save_at(k, ckpt)})
     resumed = scenario({"strategy": strategy, "module": module, "max_steps": 2 * k, "ckpt_path": str(ckpt)})

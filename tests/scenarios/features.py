@@ -12,6 +12,7 @@ from common import Module, Net, load_config, write_json
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
+from train import leave
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint import formats
@@ -180,8 +181,7 @@ def main() -> None:
         torch.distributed.barrier()
     if int(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == 0:
         write_json(out, "rank0.json", result)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
