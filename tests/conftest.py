@@ -44,24 +44,47 @@ def run_command(
     cmd: list[str], cwd: Path, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (every rank) and fail the test."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env or _env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the ranks Lightning launches share this process group: one kill takes all
-    )
+    return run_commands([cmd], cwd, timeout, env)[0]
+
+
+def run_commands(
+    cmds: list[list[str]], cwd: Path, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``cmds`` concurrently (e.g. one launcher per simulated node), each in its own process group. If any is
+    still running after ``timeout`` seconds, every group is killed and the test fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env or _env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # the ranks a launcher starts share its process group: one kill takes all
+        )
+        for cmd in cmds
+    ]
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd} hung for more than {timeout}s:\n{_tail(stdout)}\n{_tail(stderr)}")
+        with ThreadPoolExecutor(len(procs)) as pool:
+            futures = [pool.submit(proc.communicate, timeout=timeout) for proc in procs]
+            outputs = []
+            for cmd, proc, future in zip(cmds, procs, futures, strict=True):
+                try:
+                    outputs.append(future.result())
+                except subprocess.TimeoutExpired:
+                    for other in procs:
+                        _kill_leftovers(other.pid)
+                    stdout, stderr = proc.communicate()
+                    pytest.fail(f"{cmd} hung for more than {timeout}s:\n{_tail(stdout)}\n{_tail(stderr)}")
     finally:
-        _kill_leftovers(proc.pid)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        for proc in procs:
+            _kill_leftovers(proc.pid)
+    return [
+        subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        for cmd, proc, (stdout, stderr) in zip(cmds, procs, outputs, strict=True)
+    ]
 
 
 def run_script(

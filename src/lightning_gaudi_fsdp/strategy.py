@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,7 +27,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
@@ -159,6 +160,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
             None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
         )
         self._fsdp_root: Module | None = None
+        self._heartbeat: _liveness.Heartbeat | None = None
 
     # ------------------------------------------------------------------------------------------- devices, backend
     @property
@@ -210,6 +212,29 @@ class GaudiFSDPStrategy(FSDPStrategy):
             self._device_mesh = init_device_mesh(self.root_device.type, self._device_mesh)
         if self._device_mesh is not None:
             self.kwargs["device_mesh"] = self._device_mesh
+        if self.world_size > 1 and self._heartbeat is None:
+            node = f"{socket.gethostname()}/node{self.node_rank}"
+            self._heartbeat = _liveness.Heartbeat(self.global_rank, self.world_size, node)
+            self._heartbeat.start()
+
+    @override
+    def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        heartbeat = self._heartbeat
+        if heartbeat is None or isinstance(exception, KeyboardInterrupt | SystemExit):
+            return
+        verdict = heartbeat.on_failure(exception)
+        message = verdict.message(self.global_rank, self.world_size) if verdict is not None else None
+        if message:
+            exception.add_note(message)
+            log.error(f"[rank {self.global_rank}] {message}")
 
     def _check_mesh_size(self, world_size: int) -> None:
         if isinstance(self._device_mesh, tuple) and world_size:

@@ -36,6 +36,10 @@ def _failing_run(scenario, fail: dict, **extra):
 def test_a_rank_raising_stops_every_rank_with_its_error(scenario, where, rank):
     run = _failing_run(scenario, {"where": where, "rank": rank, "step": 2 if where == "training_step" else 0})
     assert f"RuntimeError: boom in {where} on rank {rank}" in run.proc.stderr
+    if rank == 1:  # the survivor, failing in a collective, points at the rank that raised first
+        assert f"lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom in {where} on rank 1" in (
+            run.proc.stderr
+        )
 
 
 def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
@@ -65,7 +69,8 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
         save_path_in_loop=str(ckpt),
         **{"strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}},
     )
-    assert "Check the logs of the remote worker" in run.proc.stderr  # gloo names the lost peer by address
+    # The survivor names the lost rank (gloo's own message names only a socket address).
+    assert "lightning_gaudi_fsdp: rank 1 of 2 stopped without reporting an error" in run.proc.stderr
     assert describe(ckpt)["global_step"] == 2
     resumed = scenario(
         {
@@ -77,6 +82,14 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     ).final()
     assert resumed["step"] == 3
     assert all(torch.isfinite(v).all() for v in resumed["weights"].values())
+
+
+def test_when_rank_0_is_killed_the_survivor_says_so(scenario):
+    # Under Lightning's launcher the rendezvous store lives in rank 0's process: the survivor cannot reach it.
+    run = _failing_run(scenario, {"where": "training_step", "rank": 0, "step": 3, "kind": "sigkill"})
+    assert run.proc.returncode == -9
+    assert "rank 1 could not reach the rendezvous store" in run.proc.stderr
+    assert "rank 0 was most likely lost" in run.proc.stderr
 
 
 def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario):

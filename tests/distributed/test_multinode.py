@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
 
 import lightning as L
-import pytest
 import torch
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -25,16 +21,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(cfg: dict, tmp_path, timeout: float = 180, per_node: int = 1) -> None:
+def _two_nodes(
+    cfg: dict, tmp_path, timeout: float = 180, per_node: int = 1, expect_ok: bool = True
+) -> list[subprocess.CompletedProcess[str]]:
     """One torchrun agent per node (node_rank 0 and 1), ``per_node`` processes each, rendezvous on loopback."""
-    from conftest import SCENARIOS, _env
+    from conftest import SCENARIOS, run_commands
 
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(cfg))
     port = _free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [
+    cmds = [
+        [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -51,29 +48,13 @@ def _two_nodes(cfg: dict, tmp_path, timeout: float = 180, per_node: int = 1) -> 
             str(SCENARIOS / "train.py"),
             str(cfg_file),
         ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=SCENARIOS,
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail("two-node run hung")
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out[-4000:]
+        for node in (0, 1)
+    ]
+    results = run_commands(cmds, SCENARIOS, timeout)
+    if expect_ok:
+        for result in results:
+            assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return results
 
 
 def _cfg(tmp_path, name: str, strategy: dict, devices: int = 1, **extra) -> dict:
@@ -119,6 +100,16 @@ def test_two_torchrun_nodes_full_shard_save_and_reload_sharded(tmp_path):
     assert loaded["step"] == 3
     for key, value in saved["weights"].items():
         assert torch.equal(loaded["weights"][key], value), key
+
+
+def test_a_rank_lost_on_another_node_is_named_by_its_stalled_heartbeat(tmp_path):
+    # Rank 1 runs under the other agent ("node 1"): rank 0 cannot check its process, only its heartbeat.
+    cfg = _cfg(tmp_path, "lost", {"auto_wrap_policy": [BLOCK], "timeout": 60}, max_steps=6)
+    cfg["module"]["fail"] = {"where": "training_step", "rank": 1, "step": 3, "kind": "sigkill"}
+    node0, node1 = _two_nodes(cfg, tmp_path, expect_ok=False)
+    assert node0.returncode != 0
+    assert node1.returncode != 0
+    assert "lightning_gaudi_fsdp: rank 1 of 2 stopped without reporting an error" in node0.stderr
 
 
 def test_slurm_environment_resolves_ranks(monkeypatch):

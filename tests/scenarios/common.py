@@ -78,7 +78,7 @@ class Module(L.LightningModule):
 
     def _maybe_fail(self, where: str, step: int = 0) -> None:
         fail = self.hparams.fail
-        rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0"))
+        rank = self.trainer.global_rank
         if not fail or fail["where"] != where or fail["rank"] != rank or fail.get("step", 0) != step:
             return
         if fail.get("kind") == "sigkill":
