@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from lightning_gaudi_fsdp.checkpoint.formats import OPTIMIZER_GROUPS_KEY
+
 BLOCK = "common.Block"
 STEPS_PER_EPOCH = 4  # 32 samples, 4 per rank, 2 ranks: resuming at an epoch boundary replays no batch
 
@@ -159,3 +161,21 @@ def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path):
     # max_steps already reached: the one-rank run only loads, so its weights are the two-rank run's
     _assert_equal_nested(one["weights"], two["weights"], "weights")
     assert one["step"] == 4
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+@pytest.mark.parametrize("writer", ["lightning", "ours"])
+def test_checkpoints_cross_between_lightning_fsdp_strategy_and_ours(scenario, tmp_path, uninterrupted, fmt, writer):
+    """Lightning's own FSDPStrategy writes, we resume (and the other way round): the run ends as if never stopped."""
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    k = STEPS_PER_EPOCH
+    straight = uninterrupted(strategy, _module())
+    ckpt = tmp_path / "ckpt"
+    stock = {"lightning_stock": True}
+    first = {"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)}
+    second = {"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)}
+    scenario({**first, **(stock if writer == "lightning" else {})})
+    if writer == "lightning" and fmt == "sharded":  # written by Lightning's code: none of our additions in meta.pt
+        assert OPTIMIZER_GROUPS_KEY not in torch.load(ckpt / "meta.pt", weights_only=False)
+    resumed = scenario({**second, **(stock if writer == "ours" else {})})
+    _assert_same_run(resumed.final(), straight)

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Module, load_config, write_json
+from common import Block, Module, load_config, write_json
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -186,6 +186,35 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
     dcp.save = counting_dcp_save
 
 
+def lightning_stock_strategy(strategy_cfg: dict[str, Any]) -> Any:
+    """Lightning's own ``FSDPStrategy``, changed only where it cannot run on CPU with torch 2.13: FSDP is handed a
+    CPU device where Lightning passes ``root_device.index`` (None on CPU), full state dicts skip the
+    ``offload_to_cpu`` copy that segfaults on torch 2.13 (the shards already live on CPU), and a trivial subclass
+    gets past the Trainer's "FSDP needs CUDA" check (an exact-type test). Its checkpoint formats and save/load code
+    are Lightning's, untouched."""
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+    import torch.distributed.fsdp as torch_fsdp
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUDeviceFSDP(torch_fsdp.FullyShardedDataParallel):
+        def __init__(self, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
+
+    torch_fsdp.FullyShardedDataParallel = CPUDeviceFSDP  # Lightning imports it inside _setup_model
+
+    def no_offload_full_context(module: Any, world_size: int, rank0_only: bool = True) -> Any:
+        return formats.state_dict_context(module, "full", "cpu", rank0_only=rank0_only)  # offload_to_cpu=False
+
+    lightning_fsdp._get_full_state_dict_context = no_offload_full_context
+    kwargs = dict(strategy_cfg)
+    kwargs["auto_wrap_policy"] = {Block}
+
+    class StockFSDPStrategy(FSDPStrategy):
+        pass
+
+    return StockFSDPStrategy(**kwargs)
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
@@ -209,6 +238,8 @@ def main() -> None:
     trainer_kwargs.update(cfg.get("trainer", {}))
     if strategy_cfg == "reference":
         trainer_kwargs.update(devices=1, strategy="auto")
+    elif cfg.get("lightning_stock"):
+        trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=lightning_stock_strategy(strategy_cfg))
     else:
         if cfg.get("strategy_rank1") and int(os.environ.get("LOCAL_RANK", "0")) == 1:
             strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
