@@ -147,6 +147,14 @@ def load_config() -> dict[str, Any]:
     return json.loads(Path(sys.argv[1]).read_text())
 
 
+def status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``...) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def write_json(out: Path, name: str, data: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{name}.tmp"

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Block, Module, load_config, write_json
+from common import Block, Module, load_config, status_bytes, write_json
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -24,13 +24,6 @@ def fsdp_units(model: torch.nn.Module) -> list[Any]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
 
 
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class Probe(Callback):
     def __init__(self, out: Path, cfg: dict[str, Any]) -> None:
         self.out, self.cfg, self.info, self.losses = out, cfg, {}, []
@@ -38,10 +31,10 @@ class Probe(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # runs before configure_model and FSDP wrapping: reset the peak-RSS counter to measure what setup adds
         Path("/proc/self/clear_refs").write_text("5")
-        self.rss_before_setup = _status_bytes("VmRSS")
+        self.rss_before_setup = status_bytes("VmRSS")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.info["setup_peak_added_bytes"] = _status_bytes("VmHWM") - self.rss_before_setup
+        self.info["setup_peak_added_bytes"] = status_bytes("VmHWM") - self.rss_before_setup
         self.info["model_bytes"] = 4 * sum(
             u._handle.flat_param._unpadded_unsharded_size.numel()
             for u in [m for _, m in fsdp_units(trainer.strategy.model)]
@@ -53,7 +46,7 @@ class Probe(Callback):
         full = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
         if trainer.global_rank == 0:
             values = torch.cat([v.reshape(-1) for k, v in full.items() if "weight" in k or "bias" in k])
-            self.info["initial_unique_values"] = sorted({round(float(v), 6) for v in values.unique()})[:10]
+            self.info["initial_unique_values"] = [round(v, 6) for v in values.round(decimals=6).unique()[:10].tolist()]
         fc = pl_module.net.blocks[0].fc
 
         def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
@@ -144,7 +137,7 @@ class Soak(Callback):
             self.samples.append(
                 {
                     "step": step,
-                    "rss": _status_bytes("VmRSS"),
+                    "rss": status_bytes("VmRSS"),
                     "fds": len(os.listdir("/proc/self/fd")),
                     "checkpoints": len(entries),
                 }

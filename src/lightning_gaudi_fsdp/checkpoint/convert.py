@@ -116,15 +116,14 @@ def load_full_state(
 
 
 def _sharded_to_full(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    # DCP's own offline reader (what dcp_to_torch_save uses), loading straight into tensors it allocates from the
+    # metadata: one copy of the checkpoint in memory, no temporary file read back.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    tmp = path.with_name(f".{path.name}.full-tmp")
-    try:
-        dcp_to_torch_save(path, tmp)
-        state = torch.load(tmp, map_location="cpu", weights_only=False)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
     rest["state_dict"] = state.pop("model")
