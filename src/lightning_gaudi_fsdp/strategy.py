@@ -340,19 +340,22 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        module = self.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization:
-            raise ValueError(
-                "GaudiFSDPStrategy does not support manual optimization (automatic_optimization=False): Lightning "
-                "runs training_step inside the FSDP root module's forward, where torch FSDP1 cannot run "
-                "manual_backward. Use automatic optimization; accumulation, clipping and LR schedules go through "
-                "the Trainer."
-            )
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         self._check_ranks_agree()
         if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
             rank_zero_info(_report.configuration_table(self))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, root = self.lightning_module, self._fsdp_root
+        if module is None or module.automatic_optimization or root is None:
+            return super().training_step(*args, **kwargs)
+        # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
+        # cannot run manual_backward. Run it outside, and send the module's own forward (``self(x)``) through the
+        # root, as Fabric users call their wrapped model.
+        with self.precision_plugin.train_step_context(), _forward_through_root(root, module):
+            return module.training_step(*args, **kwargs)
 
     def _check_ranks_agree(self) -> None:
         """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
@@ -498,6 +501,50 @@ class GaudiFSDPStrategy(FSDPStrategy):
         for name in ("gaudi_fsdp", "hpu_fsdp"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
+
+
+@contextmanager
+def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator[None, None, None]:
+    """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
+    into the module's real forward). An FSDP unit called directly, outside that forward and outside backward
+    recomputation, raises a clear error instead of FSDP's state assertion later in backward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    original_forward = module.forward
+    patched_before = "forward" in vars(module)  # e.g. by another wrapper: put back exactly what was there
+    inside = False
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal inside
+        if inside:  # the root calling into the module
+            return original_forward(*args, **kwargs)
+        inside = True
+        try:
+            return root(*args, **kwargs)
+        finally:
+            inside = False
+
+    def guard(unit: Module, args: Any) -> None:
+        if not inside and torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's "
+                f"forward) in training_step: the FSDP unit {type(unit.module).__name__} was called directly, "
+                "outside the FSDP root's forward, which FSDP cannot run backward for"
+            )
+
+    hooks = [
+        unit.register_forward_pre_hook(guard) for unit in root.modules() if isinstance(unit, FSDP) and unit is not root
+    ]
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if patched_before:
+            module.forward = original_forward  # type: ignore[method-assign]
+        else:
+            del module.forward
+        for hook in hooks:
+            hook.remove()
 
 
 def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> None:

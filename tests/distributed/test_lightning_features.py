@@ -95,15 +95,40 @@ def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, f
         assert info[f"{source}_predict_matches_plain_model"] is True
 
 
-def test_manual_optimization_is_refused_with_the_reason(scenario):
+def test_manual_optimization_matches_one_process(scenario):
+    # manual_backward, clip_gradients by norm, opt.step and a scheduler stepped by hand, with activation
+    # checkpointing (its recomputation runs FSDP units during backward) and the default AdamW.
+    module = {"manual": True, "manual_clip_norm": 0.05}
+    ref = scenario({"strategy": "reference", "max_steps": 4, "module": {**module, "batch_size": 8}}).final()
+    got = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "activation_checkpointing_policy": [BLOCK]},
+            "max_steps": 4,
+            "module": {**module, "batch_size": 4},
+        }
+    ).final()
+    assert got["step"] == ref["step"] == 4
+    assert got["lr"] == ref["lr"]
+    _assert_close_weights(got["weights"], ref["weights"])
+    initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()
+    assert _changed(initial["weights"], ref["weights"])
+
+
+def test_manual_optimization_calling_a_submodule_directly_is_a_clear_error(scenario):
     run = scenario(
-        {"case": "manual", "strategy": {"auto_wrap_policy": [BLOCK]}},
-        script="features.py",
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "max_steps": 2,
+            "module": {"manual": True, "manual_bypass_root": True},
+        },
         expect_ok=False,
         timeout=120,
     )
     assert run.proc.returncode != 0
-    assert "GaudiFSDPStrategy does not support manual optimization (automatic_optimization=False)" in run.proc.stderr
+    assert (
+        "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's forward) "
+        "in training_step: the FSDP unit Block was called directly" in run.proc.stderr
+    )
 
 
 def test_parameter_groups_with_use_orig_params(scenario):

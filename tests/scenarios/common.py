@@ -65,9 +65,13 @@ class Module(L.LightningModule):
         width: int = FEATURES,
         fail: dict | None = None,
         manual_wrap: bool = False,
+        manual: bool = False,
+        manual_clip_norm: float | None = None,
+        manual_bypass_root: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.automatic_optimization = not manual
         self.net: nn.Module | None = None if meta_init else Net(depth, width)
         if rank_dependent_init and self.net is not None:
             rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,13 +109,24 @@ class Module(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._maybe_fail("training_step", batch_idx)
         x, y = batch
-        out = self(x)
+        out = self.net(x) if self.hparams.manual_bypass_root else self(x)
         # An fp32 op written outside the model: under "mixed" it must run in low precision.
         probe = x @ x.transpose(0, 1)
         self.seen_dtypes["training_step_matmul"] = str(probe.dtype)
         loss = nn.functional.mse_loss(out.float(), y)
         self.log("train_loss", loss, sync_dist=True)
-        return loss
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.hparams.manual_clip_norm is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.hparams.manual_clip_norm, gradient_clip_algorithm="norm")
+        opt.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        return loss.detach()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch

@@ -47,21 +47,6 @@ class SyncModule(Module):
         return self.val_dataloader()
 
 
-class ManualModule(Module):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        opt.zero_grad()
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self(x).float(), y)
-        self.manual_backward(loss)
-        opt.step()
-        return loss.detach()
-
-
 class GroupsModule(Module):
     """No weight decay on norms and biases: two parameter groups (needs use_orig_params=True)."""
 
@@ -141,9 +126,8 @@ def main() -> None:
                 net.load_state_dict({k.removeprefix("net."): v for k, v in full.items()})
                 x = next(iter(fresh.val_dataloader()))[0]
                 result[f"{source}_predict_matches_plain_model"] = bool(torch.allclose(preds[0], net(x), atol=1e-6))
-    elif case in ("manual", "groups"):
-        cls = ManualModule if case == "manual" else GroupsModule
-        module = cls(n_samples=64)
+    elif case == "groups":
+        module = GroupsModule(n_samples=64)
         losses: list[float] = []
 
         class Record(Callback):
