@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gaudi_fsdp import gaudi
@@ -154,7 +155,8 @@ class GaudiCLI(LightningCLI):
         if config.trainer.accelerator == "auto":
             config.trainer.accelerator = "hpu" if gaudi.is_available() else "cpu"
             where = "Intel Gaudi" if config.trainer.accelerator == "hpu" else "CPU processes (no Gaudi found)"
-            print(f"accelerator=auto: training on {where}", flush=True)
+            if rank_zero_only.rank == 0:  # launched ranks re-run this script: say it once
+                print(f"accelerator=auto: training on {where}", flush=True)
 
 
 def main(args: list[str] | None = None) -> None:

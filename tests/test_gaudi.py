@@ -84,8 +84,6 @@ def test_import_hccl_registers_the_backend(fake_gaudi):
     gaudi.import_hccl()
     assert ("hccl_imported",) in fake_gaudi()
     assert "hccl" in dist.Backend.backend_list
-    gaudi.initialize_distributed_hpu(8, 3, 3)
-    assert ("initialize_distributed_hpu", 8, 3, 3) in fake_gaudi()
 
 
 def test_launch_environment(monkeypatch):

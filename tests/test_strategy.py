@@ -129,6 +129,21 @@ def test_16_mixed_scaler_targets_the_device_in_use():
     assert plugin.scaler._device == "cpu"
 
 
+def test_a_scaler_the_user_passes_is_kept():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mine = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), plugins=[GaudiFSDPPrecision("16-mixed", mine)]
+    )
+    plugin = trainer.strategy.precision_plugin
+    plugin.set_device_type("cpu")
+    assert plugin.scaler is mine
+    assert plugin.scaler.get_scale() == 1024.0
+    with pytest.raises(ValueError, match="`precision='bf16-mixed'` does not use a scaler"):
+        GaudiFSDPPrecision("bf16-mixed", mine)
+
+
 def test_hccl_on_cpu_is_refused_before_processes_start():
     strategy = GaudiFSDPStrategy(process_group_backend="hccl")
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)

@@ -131,14 +131,6 @@ def hccl_importable() -> bool:
     return True
 
 
-def initialize_distributed_hpu(world_size: int, rank: int, local_rank: int) -> None:
-    """Let the bridge set its own distributed environment variables, where this release provides the helper."""
-    hccl = importlib.import_module(HCCL_MODULE)
-    init = getattr(hccl, "initialize_distributed_hpu", None)
-    if init is not None:
-        init(world_size=world_size, rank=rank, local_rank=local_rank)
-
-
 def current_device() -> torch.device:
     """The device this process addresses: ``hpu:<torch.hpu.current_device()>``."""
     hpu = _hpu_module()

@@ -26,7 +26,12 @@ class GaudiFSDPPrecision(FSDPPrecision):
             # Lightning builds a CUDA scaler for "16-mixed", which warns and disables itself off CUDA; it is
             # replaced below by one for the device actually in use.
             warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+            # Lightning's FSDPPrecision checks the scaler against self.precision before assigning it (its class
+            # default "32-true"), so it refuses every scaler; set it first so a scaler for "16-mixed" gets through.
+            self.precision = precision
             super().__init__(precision, scaler=scaler)
+        if scaler is not None:
+            self.scaler = scaler  # Lightning's __init__ keeps only the scaler it builds itself
         self._default_scaler = scaler is None
         self.device_type = device_type
         self._fsdp_root: Module | None = None

@@ -263,6 +263,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
             )
         if isinstance(precision_plugin, FSDPPrecision) and not isinstance(precision_plugin, GaudiFSDPPrecision):
             # Lightning's connector builds a plain FSDPPrecision (CUDA autocast and scaler); swap in ours.
+            # (A custom scaler cannot arrive this way: Lightning's FSDPPrecision refuses any scaler argument.)
             precision_plugin = GaudiFSDPPrecision(precision_plugin.precision)
         self._precision_plugin = precision_plugin
 

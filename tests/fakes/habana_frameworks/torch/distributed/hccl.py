@@ -24,8 +24,3 @@ def _recording_init(*args, **kwargs):
 
 
 dist.init_process_group = _recording_init
-
-
-def initialize_distributed_hpu(world_size=None, rank=None, local_rank=None):
-    record("initialize_distributed_hpu", world_size, rank, local_rank)
-    return world_size, rank, local_rank
