@@ -10,12 +10,15 @@ window: a rank that is gone without a recorded error is the one that was lost.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
@@ -109,9 +112,16 @@ class Heartbeat:
     def start(self) -> None:
         if self._thread is not None or not self.available():
             return
-        store = _connect(timeout_s=30)
-        store.set(_key("who", self.rank, self._run), f"{self.node}\n{os.getpid()}")
-        store.add(_key("beat", self.rank, self._run), 1)
+        try:
+            store = _connect(timeout_s=30)
+            store.set(_key("who", self.rank, self._run), f"{self.node}\n{os.getpid()}")
+            store.add(_key("beat", self.rank, self._run), 1)
+        except Exception as err:  # noqa: BLE001 - a diagnostic aid must never stop training
+            log.warning(
+                f"lightning_gaudi_fsdp: no heartbeat for rank {self.rank} (rendezvous store: {err}); a lost "
+                "rank will not be named"
+            )
+            return
         self._thread = threading.Thread(target=self._beat, args=(store,), name="lgf-heartbeat", daemon=True)
         self._thread.start()
 
