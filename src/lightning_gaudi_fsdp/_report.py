@@ -43,8 +43,8 @@ def fsdp_unit_count(model: Module) -> int:
     return sum(isinstance(m, FSDP) for m in model.modules())
 
 
-def configuration_table(strategy: GaudiFSDPStrategy) -> str:
-    model = strategy._wrapped_model()
+def held_elements(model: Module) -> int:
+    """Elements of the flat parameters this rank holds (its shards, or whole parameters where unsharded)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     flat_params = {
@@ -52,7 +52,18 @@ def configuration_table(strategy: GaudiFSDPStrategy) -> str:
         for m in model.modules()
         if isinstance(m, FSDP) and m._handle is not None
     }
-    held = sum(p.numel() for p in flat_params.values())
+    return sum(p.numel() for p in flat_params.values())
+
+
+def _held_row(held_per_rank: list[int]) -> str:
+    low, high = min(held_per_rank), max(held_per_rank)
+    if low == high:
+        return f"{low:,} elements on each of {len(held_per_rank)} rank(s)"
+    return f"{low:,} to {high:,} elements (rank {held_per_rank.index(high)} holds the most)"
+
+
+def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -> str:
+    model = strategy._wrapped_model()
     mp = strategy.mixed_precision_config
     dtypes = (
         "fp32 (no FSDP mixed precision)"
@@ -62,7 +73,7 @@ def configuration_table(strategy: GaudiFSDPStrategy) -> str:
     rows = [
         ("sharding", strategy.sharding_strategy.name),
         ("FSDP units", str(fsdp_unit_count(model))),
-        ("flat parameters on rank 0", f"{held:,} elements"),
+        ("flat parameters per rank", _held_row(held_per_rank)),
         ("mixed precision", dtypes),
         ("Trainer precision", str(strategy.precision_plugin.precision)),
         ("state_dict_type", strategy._state_dict_type),

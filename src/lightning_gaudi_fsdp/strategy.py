@@ -343,9 +343,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
-        self._check_ranks_agree()
+        held_per_rank = self._check_ranks_agree()
         if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
-            rank_zero_info(_report.configuration_table(self))
+            rank_zero_info(_report.configuration_table(self, held_per_rank))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -358,11 +358,14 @@ class GaudiFSDPStrategy(FSDPStrategy):
         with self.precision_plugin.train_step_context(), _forward_through_root(root, module):
             return module.training_step(*args, **kwargs)
 
-    def _check_ranks_agree(self) -> None:
+    def _check_ranks_agree(self) -> list[int]:
         """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
-        fingerprint of the wrapping on every rank first and fail on all of them with the difference."""
-        fingerprint = _report.fingerprint(self._wrapped_model(), self.sharding_strategy.name)
-        gathered = self._gather_objects(fingerprint)
+        fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+        flat-parameter elements each rank holds."""
+        model = self._wrapped_model()
+        fingerprint = _report.fingerprint(model, self.sharding_strategy.name)
+        gathered_pairs = self._gather_objects((fingerprint, _report.held_elements(model)))
+        gathered = [pair[0] for pair in gathered_pairs]
         for rank, other in enumerate(gathered):
             if other != fingerprint:
                 diff = _report.describe_difference(gathered[0], other)
@@ -370,6 +373,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
                     f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
                     "build the same model with the same strategy arguments"
                 )
+        return [pair[1] for pair in gathered_pairs]
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -29,6 +29,9 @@ def test_two_ranks_match_one_process_on_the_global_batch(scenario, sharding):
     )
     ref, got = reference.final(), sharded.final()
     assert got["step"] == ref["step"] == steps
+    # the fit-start table counts what every rank holds: 3 blocks of 304 elements and the root's 17 (padded to 18),
+    # halved by either sharding strategy at rest
+    assert "flat parameters per rank : 465 elements on each of 2 rank(s)" in sharded.proc.stdout + sharded.proc.stderr
     _assert_same_weights(got["weights"], ref["weights"], atol=1e-5)
     # the run really moved the weights (a parity test on untouched weights proves nothing)
     initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()["weights"]
