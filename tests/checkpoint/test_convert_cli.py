@@ -106,6 +106,12 @@ def test_convert_to_sharded_then_load_on_two_ranks(saved, tmp_path, scenario, sr
     ).final()
     for key, value in final["weights"].items():
         assert torch.equal(loaded["weights"][key], value), key
+    if src_fmt == "full":  # AdamW moments and step counts travel through the conversion, keyed by parameter name
+        assert loaded["optimizer"]["state"]
+        torch.testing.assert_close(loaded["optimizer"]["state"], final["optimizer"]["state"], atol=0, rtol=0)
+        assert loaded["lr"] == final["lr"]
+    else:
+        assert "not converted" in out.stderr
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(saved, tmp_path):

@@ -2,8 +2,8 @@
 
 Conversions: ``local -> full``, ``sharded -> full``, ``full -> sharded``, ``local -> sharded``. A converted ``full``
 checkpoint loads into the plain, unwrapped LightningModule (``model.load_state_dict(ckpt["state_dict"])``). Optimizer
-state is carried for ``sharded -> full`` (keyed by parameter name). It is dropped, with a note in the converted
-checkpoint's ``conversion_notes``, when the source is ``local`` (per-rank flat state) or the target is ``sharded``.
+state is carried for ``sharded -> full`` and ``full -> sharded`` (keyed by parameter name). It is dropped, with a note
+in the converted checkpoint's ``conversion_notes``, when the source is ``local`` (per-rank flat state).
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from lightning_gaudi_fsdp.checkpoint import commit
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
+    PARAM_ID_NAMES_KEY,
     SHARDED_METADATA,
     CheckpointError,
+    _save_sharded,
     _torch_load,
     detect_format,
     local_shard_name,
+    optimizer_state_by_name,
     read_local_metadata,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import unflatten
@@ -186,14 +189,24 @@ def convert(
 
 
 def _write_sharded_from_full(checkpoint: dict[str, Any], staging: Path, notes: list[str]) -> None:
-    """A single-process DCP save of the model; DCP reshards it on load to any world size."""
-    import torch.distributed.checkpoint as dcp
-
-    rest = dict(checkpoint)
-    state: dict[str, Any] = {"model": rest.pop("state_dict")}
-    if rest.pop("optimizer_states", None):
-        # A full optimizer state cannot be laid out as FSDP's sharded optimizer state without the wrapped model.
-        notes.append("optimizer state is not carried into a sharded checkpoint; training resumes with fresh moments")
-        rest["conversion_notes"] = list(notes)
-    dcp.save(state, checkpoint_id=staging, no_dist=True)
-    torch.save(rest, staging / SHARDED_METADATA)
+    """A single-process DCP save of the model and of the optimizer state, both keyed by parameter name; DCP
+    reshards them on load to any world size."""
+    checkpoint = dict(checkpoint)
+    names = checkpoint.pop(PARAM_ID_NAMES_KEY, None)
+    optimizer_states = checkpoint.pop("optimizer_states", None) or []
+    by_name = []
+    for state in optimizer_states:
+        if any(isinstance(key, int) for key in state.get("state", {})):
+            if names is None:
+                notes.append(
+                    "optimizer state is keyed by parameter id without the names to map it; it was not converted"
+                )
+                by_name = []
+                break
+            state = optimizer_state_by_name(state, names)
+        by_name.append(state)
+    if by_name:
+        checkpoint["optimizer_states"] = by_name
+    if notes:
+        checkpoint["conversion_notes"] = list(notes)
+    _save_sharded(checkpoint, staging, rank=0, no_dist=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +36,7 @@ LOCAL_METADATA = "local_metadata.json"
 LOCAL_TRAINER_STATE = "trainer_state.pt"
 LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
+PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 
 
 def local_shard_name(rank: int) -> str:
@@ -145,6 +146,23 @@ def optimizer_state_dict(
     return state
 
 
+def param_id_names(model: Module) -> list[str]:
+    """The parameter name for each id of a full checkpoint's optimizer state (ids follow ``model.parameters()``,
+    as in ``FSDP.rekey_optim_state_dict``), so offline tools can key that state by name again."""
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    return [_clean(name) for name, _ in model.named_parameters()]
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter id, keyed by parameter name instead."""
+    return {
+        **state,
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
 # ------------------------------------------------------------------------------------------------------- saving
 def save(
     fmt: CheckpointFormat,
@@ -200,12 +218,14 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any],
     return model_state, optimizer_states, rest
 
 
-def _save_sharded(checkpoint: dict[str, Any], staging: Path, rank: int) -> None:
+def _save_sharded(checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False) -> None:
+    """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
+    them on load like any other."""
     import torch.distributed.checkpoint as dcp
 
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
-    dcp.save(state, checkpoint_id=staging)
+    dcp.save(state, checkpoint_id=staging, no_dist=no_dist)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
