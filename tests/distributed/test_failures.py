@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -69,8 +70,12 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
         save_path_in_loop=str(ckpt),
         **{"strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}},
     )
-    # The survivor names the lost rank (gloo's own message names only a socket address).
-    assert "lightning_gaudi_fsdp: rank 1 of 2 stopped without reporting an error" in run.proc.stderr
+    # The survivor names the lost rank (gloo's own message names only a socket address). Lightning's launcher also
+    # watches its children every 5 s and SIGKILLs rank 0 once it sees one die, naming that child's rank: in the rare
+    # run where its watcher wakes in the milliseconds between the death and our diagnosis, its message is the one.
+    ours = "lightning_gaudi_fsdp: rank 1 of 2 stopped without reporting an error" in run.proc.stderr
+    lightnings = re.search(r"\[rank: 1\] Child process with PID \d+ terminated with code -9", run.proc.stderr)
+    assert ours or lightnings, run.proc.stderr[-3000:]
     assert describe(ckpt)["global_step"] == 2
     resumed = scenario(
         {
