@@ -446,7 +446,12 @@ class GaudiFSDPStrategy(FSDPStrategy):
         metadata = None
         if self._state_dict_type == "local":
             model = self._wrapped_model()
-            metadata = formats.local_metadata(model, self.sharding_strategy.name, _report.versions())
+            metadata = formats.local_metadata(
+                model,
+                self.sharding_strategy.name,
+                _report.versions(),
+                self.optimizers if "optimizer_states" in checkpoint else (),
+            )
         if self._state_dict_type == "full" and checkpoint.get("optimizer_states"):
             checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(self._wrapped_model())
         formats.save(

@@ -2,12 +2,14 @@
 
 Conversions: ``local -> full``, ``sharded -> full``, ``full -> sharded``, ``local -> sharded``. A converted ``full``
 checkpoint loads into the plain, unwrapped LightningModule (``model.load_state_dict(ckpt["state_dict"])``). Optimizer
-state is carried for ``sharded -> full`` and ``full -> sharded`` (keyed by parameter name). It is dropped, with a note
-in the converted checkpoint's ``conversion_notes``, when the source is ``local`` (per-rank flat state).
+state is carried in every conversion, keyed by parameter name (a local checkpoint's per-rank slices are joined). It
+is dropped, with a note in ``conversion_notes``, only where the source cannot name its optimizer parameters (a full
+checkpoint keyed by id without recorded names, or a local one written by an older version).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,7 +31,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     optimizer_state_by_name,
     read_local_metadata,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T], str, int], Iterable[T]]
@@ -141,25 +143,70 @@ def _local_to_full(path: Path, progress: Progress) -> tuple[dict[str, Any], list
     rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
     world_size = int(meta["world_size"])
     layout = meta["flat_params"]
-    pieces: dict[str, list[torch.Tensor]] = {entry["key"]: [] for entry in layout}
-    others: dict[str, torch.Tensor] = {}
+    shards = []  # memory-mapped: the pages are read while assembling, one flat parameter at a time
     for rank in progress(range(world_size), "reading rank shards", world_size):
         shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
-        for key in pieces:
-            if key not in shard["model"]:
-                raise CheckpointError(path, f"the shard of rank {rank} lacks {key!r}")
-            pieces[key].append(shard["model"][key].reshape(-1))
-        if rank == 0:
-            others = {k: v for k, v in shard["model"].items() if k not in pieces}
-        del shard
-    state: dict[str, torch.Tensor] = dict(others)
+        missing = [entry["key"] for entry in layout if entry["key"] not in shard["model"]]
+        if missing:
+            raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[0]!r}")
+        shards.append(shard)
+    flat_keys = {entry["key"] for entry in layout}
+    state: dict[str, torch.Tensor] = {k: v for k, v in shards[0]["model"].items() if k not in flat_keys}
     for entry in progress(layout, "unflattening parameters", len(layout)):
-        state.update(unflatten(torch.cat(pieces.pop(entry["key"])), entry))
+        state.update(unflatten(torch.cat([shard["model"][entry["key"]].reshape(-1) for shard in shards]), entry))
     rest["state_dict"] = state
-    notes = ["optimizer state of a local checkpoint is per-rank flat state; it was not converted"]
     rest.pop("optimizer_states", None)
-    rest["conversion_notes"] = notes
+    notes: list[str] = []
+    per_rank = [shard.get("optimizer_states") or [] for shard in shards]
+    names = meta.get("optimizer_param_names")
+    if per_rank[0] and (names is None or len(names) != len(per_rank[0])):
+        notes.append(
+            "this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"
+        )
+    elif per_rank[0]:
+        rest["optimizer_states"] = [
+            _local_optimizer_to_full([states[i] for states in per_rank], names[i], layout)
+            for i in range(len(per_rank[0]))
+        ]
+    if notes:
+        rest["conversion_notes"] = notes
     return rest, notes
+
+
+def _local_optimizer_to_full(
+    states: list[dict[str, Any]], names: list[str], layout: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Every rank's ``optimizer.state_dict()`` as one optimizer state keyed by parameter name (FSDP's full form).
+
+    A per-element state tensor (``exp_avg``...) of a rank covers that rank's contiguous slice of the parameter (with
+    ``use_orig_params=True``) or of the flat parameter (with ``False``): concatenated in rank order they are the whole,
+    unflattened like the weights. Scalars (``step``) are the same on every rank."""
+    flat_entries = {entry["key"]: entry for entry in layout}
+    shapes = {_join(e["prefix"], fqn): shape for e in layout for fqn, shape in zip(e["fqns"], e["shapes"], strict=True)}
+
+    def fqns(name: str) -> list[str]:
+        entry = flat_entries.get(name)
+        return [_join(entry["prefix"], fqn) for fqn in entry["fqns"]] if entry else [name]
+
+    full: dict[str, dict[str, Any]] = {}
+    for pid, name in enumerate(names):
+        present = [s["state"][pid] for s in states if s["state"].get(pid)]  # ranks whose slice is empty hold none
+        for key, first in present[0].items() if present else ():
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                whole = torch.cat([p[key].reshape(-1) for p in present])
+                if name in flat_entries:
+                    pieces = unflatten(whole, flat_entries[name])
+                else:
+                    pieces = {name: whole[: math.prod(shapes[name])].reshape(shapes[name])}
+            else:
+                pieces = dict.fromkeys(fqns(name), first)
+            for fqn, value in pieces.items():
+                full.setdefault(fqn, {})[key] = value
+    groups = [
+        {**group, "params": [fqn for pid in group["params"] for fqn in fqns(names[pid])]}
+        for group in states[0]["param_groups"]
+    ]
+    return {"state": full, "param_groups": groups}
 
 
 def convert(

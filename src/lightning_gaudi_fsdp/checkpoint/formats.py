@@ -146,12 +146,18 @@ def optimizer_state_dict(
     return state
 
 
-def param_id_names(model: Module) -> list[str]:
-    """The parameter name for each id of a full checkpoint's optimizer state (ids follow ``model.parameters()``,
-    as in ``FSDP.rekey_optim_state_dict``), so offline tools can key that state by name again."""
+def param_id_names(model: Module, optimizer: Optimizer | None = None) -> list[str]:
+    """The parameter name for each id of an optimizer state, so offline tools can key that state by name again.
+
+    Without ``optimizer``: ids follow ``model.parameters()``, as in a full checkpoint (``FSDP.rekey_optim_state_dict``).
+    With it: ids follow the optimizer's own parameter order, as in ``optimizer.state_dict()`` (a local checkpoint);
+    there, with ``use_orig_params=False``, the names are those of flat parameters (``<unit>._flat_param``)."""
     from lightning_gaudi_fsdp.checkpoint.layout import _clean
 
-    return [_clean(name) for name, _ in model.named_parameters()]
+    names = {id(p): _clean(name) for name, p in model.named_parameters()}
+    if optimizer is None:
+        return [names[id(p)] for p in model.parameters()]
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -253,11 +259,14 @@ def _save_local(
         (staging / LOCAL_METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
-def local_metadata(model: Module, sharding_strategy: str, versions: Mapping[str, str]) -> dict[str, Any]:
+def local_metadata(
+    model: Module, sharding_strategy: str, versions: Mapping[str, str], optimizers: Sequence[Optimizer] = ()
+) -> dict[str, Any]:
     return {
         "sharding_strategy": sharding_strategy,
         "fsdp_units": fsdp_units(model),
         "flat_params": flat_param_layout(model),
+        "optimizer_param_names": [param_id_names(model, optimizer) for optimizer in optimizers],
         "versions": dict(versions),
     }
 
