@@ -7,7 +7,7 @@ checkpoint stores in its metadata so that it can be turned into full tensors off
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -74,14 +74,3 @@ def unflatten(flat: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, torch.T
         fqn, shape = next(originals)
         out[_join(entry["prefix"], fqn)] = piece.reshape(shape).clone()
     return out
-
-
-def assemble_local_shards(
-    shards: Sequence[Mapping[str, torch.Tensor]], layout: Sequence[Mapping[str, Any]]
-) -> dict[str, torch.Tensor]:
-    """Rebuild the full model tensors from every rank's local flat-parameter slices (rank order)."""
-    full: dict[str, torch.Tensor] = {}
-    for entry in layout:
-        parts = [shard[entry["key"]].reshape(-1) for shard in shards]
-        full.update(unflatten(torch.cat(parts), entry))
-    return full
