@@ -153,7 +153,7 @@ def _local_to_full(path: Path, progress: Progress) -> tuple[dict[str, Any], list
     flat_keys = {entry["key"] for entry in layout}
     state: dict[str, torch.Tensor] = {k: v for k, v in shards[0]["model"].items() if k not in flat_keys}
     for entry in progress(layout, "unflattening parameters", len(layout)):
-        state.update(unflatten(torch.cat([shard["model"][entry["key"]].reshape(-1) for shard in shards]), entry))
+        state.update(unflatten(_join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
     rest["state_dict"] = state
     rest.pop("optimizer_states", None)
     notes: list[str] = []
@@ -171,6 +171,11 @@ def _local_to_full(path: Path, progress: Progress) -> tuple[dict[str, Any], list
     if notes:
         rest["conversion_notes"] = notes
     return rest, notes
+
+
+def _join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Every rank's contiguous slice of one (flat) tensor, in rank order, as the whole flat tensor."""
+    return torch.cat([piece.reshape(-1) for piece in slices])
 
 
 def _local_optimizer_to_full(
@@ -193,7 +198,7 @@ def _local_optimizer_to_full(
         present = [s["state"][pid] for s in states if s["state"].get(pid)]  # ranks whose slice is empty hold none
         for key, first in present[0].items() if present else ():
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                whole = torch.cat([p[key].reshape(-1) for p in present])
+                whole = _join_rank_slices(p[key] for p in present)
                 if name in flat_entries:
                     pieces = unflatten(whole, flat_entries[name])
                 else:
