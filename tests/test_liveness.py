@@ -14,8 +14,12 @@ def test_a_running_process_is_alive_and_a_killed_unreaped_one_is_not():
     try:
         assert _process_alive(child.pid)
         child.kill()
-        time.sleep(0.5)  # not reaped yet: a zombie, as a SIGKILLed rank is until Lightning's launcher polls it
+        # not reaped (no wait()): a zombie, as a SIGKILLed rank is until Lightning's launcher polls it
+        deadline = time.monotonic() + 10
+        while _process_alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not _process_alive(child.pid)
+        assert child.poll() is not None  # ... and it really was killed, not gone some other way
     finally:
         child.wait()
     assert not _process_alive(child.pid)
