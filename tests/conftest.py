@@ -88,19 +88,160 @@ def run_commands(
 
 
 def run_script(
-    script: str, cfg: dict[str, Any], tmp_path: Path, timeout: float = DEFAULT_TIMEOUT, expect_ok: bool = True
+    script: str,
+    cfg: dict[str, Any],
+    tmp_path: Path,
+    timeout: float = DEFAULT_TIMEOUT,
+    expect_ok: bool = True,
+    launcher: str = "pool",
 ) -> ScenarioResult:
+    """Run a scenario script with ``cfg``. ``launcher="pool"`` (default) starts its ranks from the scenario pool,
+    as torchrun would; ``launcher="lightning"`` runs ``python script cfg`` and lets Lightning's own launcher start
+    the other ranks (for tests about that launcher). ``SCENARIO_POOL=0`` sends every scenario through Lightning's."""
     out = Path(cfg.setdefault("out", str(tmp_path / "out")))
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "config.json"
     cfg_file.write_text(json.dumps(cfg))
-    result = run_command([sys.executable, str(SCENARIOS / script), str(cfg_file)], SCENARIOS, timeout)
+    if launcher == "pool" and os.environ.get("SCENARIO_POOL", "1") != "0":
+        reference = cfg.get("strategy") == "reference"
+        result = _scenario_pool().run(
+            SCENARIOS / script,
+            [str(cfg_file)],
+            nprocs=1 if reference else int(cfg.get("devices", 2)),
+            distributed=not reference,
+            logs=out,
+            timeout=timeout,
+        )
+    else:
+        result = run_command([sys.executable, str(SCENARIOS / script), str(cfg_file)], SCENARIOS, timeout)
     if expect_ok and result.returncode != 0:
         pytest.fail(
             f"scenario {script} failed with exit code {result.returncode}:\n{_tail(result.stdout)}\n"
             f"{_tail(result.stderr)}"
         )
     return ScenarioResult(out, result)
+
+
+class ScenarioPool:
+    """The pytest side of ``_pool.py``: one server per test session (restarted if it dies), one scenario at a time."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _read(self, timeout: float) -> dict[str, Any] | None:
+        import select
+
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0))
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError("the scenario pool exited")
+        return json.loads(line)
+
+    def _ensure(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"scenario-pool-{os.getpid()}.log", "a")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "_pool.py")],
+            cwd=SCENARIOS,
+            env=_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+        if self._read(timeout=300) is None:
+            self.close()
+            pytest.fail("the scenario pool did not start within 300 s")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            _kill_leftovers(self.proc.pid)
+            self.proc.wait()
+            self.proc = None
+
+    def run(
+        self, script: Path, args: list[str], nprocs: int, distributed: bool, logs: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        name = os.environ.get("PYTEST_CURRENT_TEST", script.name).removesuffix(" (call)")
+        self._ensure()
+        assert self.proc is not None
+        assert self.proc.stdin is not None
+        request = {
+            "script": str(script),
+            "args": args,
+            "cwd": str(SCENARIOS),
+            "nprocs": nprocs,
+            "distributed": distributed,
+            "port": _free_port(),
+            "env": _env(),
+            "logs": str(logs),
+        }
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            started = self._read(timeout=60)
+            if started is None:
+                raise EOFError("the scenario pool did not start the ranks within 60 s")
+            done = self._read(timeout=timeout)
+            if done is None:
+                _kill_leftovers(started["pgid"])  # every rank of this scenario; the pool then reaps them
+                self._read(timeout=30)
+                pytest.fail(f"scenario {name} hung for more than {timeout}s:\n{_logs(logs, nprocs)}")
+        except (EOFError, OSError, ValueError) as err:
+            self.close()  # the next scenario gets a fresh pool
+            pytest.fail(
+                f"the scenario pool failed while running {name} ({err}); it was replaced:\n{_logs(logs, nprocs)}"
+            )
+        codes = done["codes"]
+        returncode = next((code for code in codes if code != 0), 0)
+        cmd = [sys.executable, str(script), *args]
+        stdout = "".join(_read_text(logs / f"rank{r}.stdout") for r in range(nprocs))
+        stderr = "".join(_read_text(logs / f"rank{r}.stderr") for r in range(nprocs))
+        return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _logs(logs: Path, nprocs: int) -> str:
+    return "\n".join(
+        f"--- rank {r} {stream}:\n{_tail(_read_text(logs / f'rank{r}.{stream}'))}"
+        for r in range(nprocs)
+        for stream in ("stdout", "stderr")
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_POOL: ScenarioPool | None = None
+
+
+def _scenario_pool() -> ScenarioPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = ScenarioPool()
+    return _POOL
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _POOL is not None:
+        _POOL.close()
 
 
 def _tail(text: str | None, n: int = 4000) -> str:
@@ -116,7 +257,7 @@ def _kill_leftovers(pgid: int) -> None:
 def scenario(tmp_path: Path):
     """``scenario(cfg)`` runs ``scenarios/train.py`` (or ``script=``) with ``cfg`` and returns its results."""
 
-    def run(cfg: dict[str, Any], script: str = "train.py", **kwargs: Any) -> ScenarioResult:
+    def run(cfg: dict[str, Any], script: str = "train.py", **kwargs: Any) -> ScenarioResult:  # launcher=, timeout=
         sub = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         sub.mkdir()
         cfg = dict(cfg)

@@ -111,7 +111,9 @@ def resolve_dtype(value: str | torch.dtype, argument: str = "dtype") -> torch.dt
 
 
 def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
-    """A ``MixedPrecision``, or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or ``None``."""
+    """A ``MixedPrecision`` (used as it is), or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or
+    ``None``. A dict that names neither casting key gets ``cast_forward_inputs=True, cast_root_forward_inputs=False``:
+    every FSDP unit casts its inputs to ``param_dtype`` and the batch reaching ``training_step`` is left alone."""
     if value is None or isinstance(value, MixedPrecision):
         return value
     if not isinstance(value, Mapping):
@@ -122,7 +124,16 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
             f"mixed_precision has unknown key(s) {_expected(map(str, unknown))}; "
             f"expected any of {_expected(MIXED_PRECISION_KEYS)}"
         )
-    kwargs: dict[str, Any] = {}
+    # The LightningModule is the FSDP root and training_step runs inside its forward, so torch's default
+    # (cast_root_forward_inputs=True) would cast the whole batch, targets included, to param_dtype: a float32 target
+    # silently rounded to bf16, and on older torch (2.6 to 2.9 at least) a loss such as mse_loss(out.float(), target) then fails in
+    # backward ("Found dtype BFloat16 but expected Float"). Unless the dict says otherwise, each FSDP unit casts its
+    # own inputs instead and the batch keeps its dtypes.
+    kwargs: dict[str, Any] = (
+        {"cast_forward_inputs": True, "cast_root_forward_inputs": False}
+        if "cast_forward_inputs" not in value and "cast_root_forward_inputs" not in value
+        else {}
+    )
     for key, item in value.items():
         argument = f"mixed_precision[{key!r}]"
         if key in _MIXED_PRECISION_DTYPE_KEYS:

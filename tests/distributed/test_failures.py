@@ -25,6 +25,7 @@ def _failing_run(scenario, fail: dict, **extra):
         },
         expect_ok=False,
         timeout=BOUND_S + 60,
+        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
     )
     elapsed = time.monotonic() - started
     assert run.proc.returncode != 0
@@ -56,6 +57,7 @@ def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
         },
         expect_ok=False,
         timeout=BOUND_S + 60,
+        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
     )
     assert run.proc.returncode != 0
     assert not ckpt.exists()
@@ -108,6 +110,7 @@ def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario
         },
         expect_ok=False,
         timeout=BOUND_S + 60,
+        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
     )
     assert run.proc.returncode != 0
     assert time.monotonic() - started < BOUND_S

@@ -27,6 +27,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import commit
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 
@@ -227,11 +228,9 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any],
 def _save_sharded(checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False) -> None:
     """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
     them on load like any other."""
-    import torch.distributed.checkpoint as dcp
-
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
-    dcp.save(state, checkpoint_id=staging, no_dist=no_dist)
+    _compat.dcp_save(state, staging, no_dist=no_dist)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]

@@ -1,0 +1,73 @@
+"""What differs between the torch and Lightning versions the package supports, in one place.
+
+Intel's Gaudi containers pin torch (Gaudi software 1.21 = torch 2.6 with Lightning 2.5.1, 1.22 = torch 2.7,
+1.23 = torch 2.9), so the package runs on torch >= 2.6 and keeps every version branch here, as Lightning keeps its
+``_TORCH_GREATER_EQUAL_*`` flags. Other modules ask these flags and helpers; none of them catches a ``TypeError`` to
+find out which torch it is on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+TORCH_VERSION = Version(torch.__version__.split("+")[0])
+MIN_TORCH = Version("2.6")
+# dcp.save(..., no_dist=...) appeared in torch 2.7; torch 2.6 decides it from whether a process group exists.
+TORCH_GREATER_EQUAL_2_7 = TORCH_VERSION >= Version("2.7")
+
+# The pairings Intel ships and the ones CI runs; `doctor` compares the installed versions with these.
+# (torch minor, Lightning version Intel pairs with it or None, Gaudi software release or None, what CI tests there)
+SUPPORTED_PAIRINGS: tuple[tuple[str, str | None, str | None, str], ...] = (
+    ("2.6", "2.5.1", "1.21", "representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)"),
+    ("2.7", None, "1.22", "not run in CI (between the tested 2.6 and 2.9)"),
+    ("2.9", "2.6.6", "1.23", "representative suite (torch 2.9.1 + Lightning 2.6.6)"),
+    ("2.13", "2.6.6", None, "full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)"),
+)
+LIGHTNING_RANGE = (">=2.5.1", "<2.7")
+
+
+def torch_minor(version: Version = TORCH_VERSION) -> str:
+    return f"{version.major}.{version.minor}"
+
+
+def check_pairing(torch_version: str, lightning_version: str) -> tuple[bool, str]:
+    """Whether ``torch_version`` + ``lightning_version`` is within what the package supports, and a sentence."""
+    torch_v = Version(torch_version.split("+")[0])
+    minor = torch_minor(torch_v)
+    try:
+        lightning_v = Version(lightning_version)
+    except ValueError:
+        return False, f"Lightning version {lightning_version!r} cannot be read"
+    if torch_v < MIN_TORCH:
+        return False, f"torch {torch_version} is older than the supported {MIN_TORCH} (Gaudi software 1.21)"
+    if not Version("2.5.1") <= lightning_v < Version("2.7"):
+        return False, f"Lightning {lightning_version} is outside the supported range {' '.join(LIGHTNING_RANGE)}"
+    for pair_minor, _lightning, gaudi_release, tested in SUPPORTED_PAIRINGS:
+        if pair_minor == minor:
+            where = f"Gaudi software {gaudi_release}'s torch; " if gaudi_release else ""
+            return True, f"{where}{tested}"
+    newest = Version(SUPPORTED_PAIRINGS[-1][0])
+    if torch_v > newest:
+        return True, f"newer than the newest tested torch ({newest}); expected to work"
+    return True, "within the supported range, not a pairing CI tests"
+
+
+def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.save``; ``no_dist=True`` writes from one process without a process group
+    (offline conversion), on every supported torch."""
+    import torch.distributed.checkpoint as dcp
+
+    if TORCH_GREATER_EQUAL_2_7:
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist)
+        return
+    if not no_dist:
+        dcp.save(state, checkpoint_id=checkpoint_id)
+        return
+    # torch 2.6's public save has no no_dist switch; its private entry point, which save() itself calls, has.
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(os.fspath(checkpoint_id)), no_dist=True)

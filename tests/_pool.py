@@ -1,0 +1,148 @@
+"""A scenario pool: one long-lived process that imported torch and Lightning once and forks the ranks of each
+multi-process scenario on request, as torchrun would start them (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``...).
+
+Every rank is still its own process with its own real process group; only the ~5 s import of torch and Lightning per
+process is paid once per test session. The pytest side (``conftest.py``) talks to it over stdin/stdout, one JSON
+line per message:
+
+- request: ``{"name", "script", "args", "cwd", "nprocs", "distributed", "env", "logs"}``
+- reply 1: ``{"pgid": ...}`` as soon as the ranks are started (the pytest side kills that group on a timeout)
+- reply 2: ``{"codes": [...]}`` once every rank has exited. When one rank fails, the others get ``GRACE_S`` seconds to
+  report their own errors, then are killed, as torchrun stops a job whose worker failed.
+
+The server itself never touches a tensor or a process group, so forking it is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+GRACE_S = float(os.environ.get("SCENARIO_POOL_GRACE_S", "30"))
+
+
+def _preload() -> None:
+    import lightning  # noqa: F401
+    import lightning.pytorch  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
+
+    import lightning_gaudi_fsdp  # noqa: F401
+    from lightning_gaudi_fsdp.checkpoint import convert, loading  # noqa: F401
+
+
+def _rank_main(request: dict[str, Any], rank: int) -> int:
+    logs = request["logs"]
+    for fd, name in ((1, f"rank{rank}.stdout"), (2, f"rank{rank}.stderr")):
+        target = os.open(os.path.join(logs, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    env = dict(request["env"])
+    if request["distributed"]:
+        env.update(
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            RANK=str(rank),
+            WORLD_SIZE=str(request["nprocs"]),
+            LOCAL_WORLD_SIZE=str(request["nprocs"]),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(request["port"]),
+        )
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    script = request["script"]
+    sys.argv = [script, *request["args"]]
+    sys.path[0] = os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _start(request: dict[str, Any]) -> list[int]:
+    pids: list[int] = []
+    pgid = 0
+    for rank in range(request["nprocs"]):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setpgid(0, pgid)
+                code = _rank_main(request, rank)
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        if not pgid:
+            pgid = pid
+        with contextlib.suppress(PermissionError, ProcessLookupError):  # the child did it already, or is gone
+            os.setpgid(pid, pgid)
+        pids.append(pid)
+    return pids
+
+
+def _wait(pids: list[int], pgid: int) -> list[int]:
+    codes: dict[int, int] = {}
+    failed_at: float | None = None
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+                if codes[pid] != 0 and failed_at is None:
+                    failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S and len(codes) < len(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            failed_at = float("inf")  # killed once; now only reap
+        time.sleep(0.02)
+    return [codes[pid] for pid in pids]
+
+
+def _reply(message: dict[str, Any]) -> None:
+    sys.__stdout__.write(json.dumps(message) + "\n")
+    sys.__stdout__.flush()
+
+
+def main() -> None:
+    _preload()
+    _reply({"ready": os.getpid()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        pids = _start(request)
+        _reply({"pgid": pids[0], "pids": pids})
+        _reply({"codes": _wait(pids, pids[0])})
+
+
+if __name__ == "__main__":
+    main()
