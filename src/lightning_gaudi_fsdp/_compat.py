@@ -17,7 +17,7 @@ from packaging.version import Version
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 MIN_TORCH = Version("2.6")
 # dcp.save(..., no_dist=...) appeared in torch 2.7; torch 2.6 decides it from whether a process group exists.
-TORCH_GREATER_EQUAL_2_7 = TORCH_VERSION >= Version("2.7")
+TORCH_GREATER_EQUAL_2_7 = Version("2.7") <= TORCH_VERSION
 
 # The pairings Intel ships and the ones CI runs; `doctor` compares the installed versions with these.
 # (torch minor, Lightning version Intel pairs with it or None, Gaudi software release or None, what CI tests there)

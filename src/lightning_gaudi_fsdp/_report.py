@@ -81,6 +81,9 @@ def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -
         ("device", str(strategy.root_device)),
         ("world size", str(strategy.world_size)),
     ]
+    if strategy._cache_off_in_training:
+        names = ", ".join(n or "<root>" for n in strategy._cache_off_in_training)
+        rows.append(("KV cache in training", f"off in {names} (activation checkpointing); evaluation keeps use_cache"))
     width = max(len(k) for k, _ in rows)
     lines = ["GaudiFSDPStrategy configuration:"] + [f"  {k.ljust(width)} : {v}" for k, v in rows]
     return "\n".join(lines)

@@ -113,7 +113,8 @@ def resolve_dtype(value: str | torch.dtype, argument: str = "dtype") -> torch.dt
 def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
     """A ``MixedPrecision`` (used as it is), or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or
     ``None``. A dict that names neither casting key gets ``cast_forward_inputs=True, cast_root_forward_inputs=False``:
-    every FSDP unit casts its inputs to ``param_dtype`` and the batch reaching ``training_step`` is left alone."""
+    every FSDP unit below the root casts its inputs to ``param_dtype`` and the batch reaching ``training_step`` is left
+    alone (see ``keeps_batch_dtypes``)."""
     if value is None or isinstance(value, MixedPrecision):
         return value
     if not isinstance(value, Mapping):
@@ -126,13 +127,12 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
         )
     # The LightningModule is the FSDP root and training_step runs inside its forward, so torch's default
     # (cast_root_forward_inputs=True) would cast the whole batch, targets included, to param_dtype: a float32 target
-    # silently rounded to bf16, and on older torch (2.6 to 2.9 at least) a loss such as mse_loss(out.float(), target) then fails in
-    # backward ("Found dtype BFloat16 but expected Float"). Unless the dict says otherwise, each FSDP unit casts its
-    # own inputs instead and the batch keeps its dtypes.
+    # silently rounded to bf16, and on older torch (2.6 to 2.9 at least) a loss such as
+    # mse_loss(out.float(), target) then fails in backward ("Found dtype BFloat16 but expected Float"). Unless the
+    # dict says otherwise, each FSDP unit below the root casts its own inputs instead and the batch keeps its dtypes
+    # (the strategy turns the root's own casting off once it has wrapped the model).
     kwargs: dict[str, Any] = (
-        {"cast_forward_inputs": True, "cast_root_forward_inputs": False}
-        if "cast_forward_inputs" not in value and "cast_root_forward_inputs" not in value
-        else {}
+        {"cast_forward_inputs": True, "cast_root_forward_inputs": False} if keeps_batch_dtypes(value) else {}
     )
     for key, item in value.items():
         argument = f"mixed_precision[{key!r}]"
@@ -141,6 +141,12 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
         else:
             kwargs[key] = resolve_bool(item, argument)
     return MixedPrecision(**kwargs)
+
+
+def keeps_batch_dtypes(value: object) -> bool:
+    """Whether ``mixed_precision`` (as the user gave it) leaves the batch reaching ``training_step`` uncast: a dict
+    that names neither ``cast_forward_inputs`` nor ``cast_root_forward_inputs``."""
+    return isinstance(value, Mapping) and "cast_forward_inputs" not in value and "cast_root_forward_inputs" not in value
 
 
 def import_object(path: str, argument: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable, Generator, Mapping
@@ -27,6 +28,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -159,7 +161,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self._eager_pipeline = (
             None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
         )
+        self._keep_batch_dtypes = options.keeps_batch_dtypes(mixed_precision)
         self._fsdp_root: Module | None = None
+        self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
 
     # ------------------------------------------------------------------------------------------- devices, backend
@@ -296,7 +300,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
-            model = super()._setup_model(model)
+            model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
+            if self._activation_checkpointing_kwargs:
+                self._cache_off_in_training = activation.apply_cache_off_in_training(model)
         else:
             self._warn_if_precision_overlaps()
             kwargs = dict(self.kwargs)
@@ -314,8 +320,15 @@ class GaudiFSDPStrategy(FSDPStrategy):
                 **kwargs,
             )
             _move_torchmetrics_to_device(model, self.root_device)
-            _apply_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+            self._cache_off_in_training = activation.apply_activation_checkpointing(
+                model, self._activation_checkpointing_kwargs
+            )
         self._fsdp_root = model if isinstance(model, FSDP) else None
+        if self._fsdp_root is not None and self._keep_batch_dtypes:
+            # The units below cast their own inputs; the root (the LightningModule) leaves the batch as it is.
+            self._fsdp_root.mixed_precision = dataclasses.replace(
+                self._fsdp_root.mixed_precision, cast_forward_inputs=False, cast_root_forward_inputs=False
+            )
         if self._compile_kwargs is not None and previous is not model:
             _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
         self.precision_plugin.attach(model)
@@ -557,17 +570,6 @@ def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator
             del module.forward
         for hook in hooks:
             hook.remove()
-
-
-def _apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> None:
-    if not kwargs:
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, **kwargs)
 
 
 def _apply_compile(model: Module, kwargs: Mapping[str, Any], device_type: str) -> list[str]:

@@ -150,6 +150,29 @@ def test_mixed_precision_dict_sets_the_dtype_layers_compute_in(scenario):
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
 
 
+def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_torch(scenario):
+    # lightning-habana's default on Gaudi (bf16 parameters, fp32 reduction) with SHARD_GRAD_OP and prefetching: on
+    # torch 2.6-2.9 it failed in backward when the root cast the float32 targets to bf16 for the user's loss.
+    run = scenario(
+        {
+            "strategy": {
+                "sharding_strategy": "shard_grad_op",
+                "auto_wrap_policy": [BLOCK],
+                "backward_prefetch": "backward_post",
+                "forward_prefetch": True,
+                "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+            },
+            "max_steps": 3,
+        }
+    )
+    for rank in (0, 1):
+        info = run.rank(rank)
+        assert info["global_step"] == 3
+        assert info["fc_forward"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16", "output": "torch.bfloat16"}
+        assert info["seen_dtypes"]["target"] == "torch.float32"  # the batch reaching training_step is not cast
+        assert all(math.isfinite(loss) for loss in info["losses"])
+
+
 def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario):
     run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": "bf16-mixed"}, "max_steps": 2})
     info = run.rank(1)

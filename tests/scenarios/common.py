@@ -113,6 +113,7 @@ class Module(L.LightningModule):
         # An fp32 op written outside the model: under "mixed" it must run in low precision.
         probe = x @ x.transpose(0, 1)
         self.seen_dtypes["training_step_matmul"] = str(probe.dtype)
+        self.seen_dtypes["target"] = str(y.dtype)
         loss = nn.functional.mse_loss(out.float(), y)
         self.log("train_loss", loss, sync_dist=True)
         if self.automatic_optimization:
