@@ -94,16 +94,19 @@ def run_script(
     timeout: float = DEFAULT_TIMEOUT,
     expect_ok: bool = True,
     launcher: str = "pool",
+    single_process: bool = False,
 ) -> ScenarioResult:
     """Run a scenario script with ``cfg``. ``launcher="pool"`` (default) starts its ranks from the scenario pool,
     as torchrun would; ``launcher="lightning"`` runs ``python script cfg`` and lets Lightning's own launcher start
-    the other ranks (for tests about that launcher). ``SCENARIO_POOL=0`` sends every scenario through Lightning's."""
+    the other ranks (for tests about that launcher, or that set what a process reads only at its start, such as
+    ``MALLOC_*``). ``single_process``: a script that runs one plain process (no process group).
+    ``SCENARIO_POOL=0`` sends every scenario through Lightning's launcher."""
     out = Path(cfg.setdefault("out", str(tmp_path / "out")))
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "config.json"
     cfg_file.write_text(json.dumps(cfg))
     if launcher == "pool" and os.environ.get("SCENARIO_POOL", "1") != "0":
-        reference = cfg.get("strategy") == "reference"
+        reference = single_process or cfg.get("strategy") == "reference"
         result = _scenario_pool().run(
             SCENARIOS / script,
             [str(cfg_file)],

@@ -9,6 +9,8 @@ import torch
 from lightning_gaudi_fsdp import options
 from lightning_gaudi_fsdp._activation_checkpointing import apply_activation_checkpointing
 
+pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
+
 transformers = pytest.importorskip("transformers")
 LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 

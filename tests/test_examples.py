@@ -29,6 +29,7 @@ def test_toy_example_trains_on_two_cpu_processes(tmp_path):
     assert "rank 1: All done" in proc.stdout
 
 
+@pytest.mark.versions
 def test_llama_rehearsal_loss_falls(tmp_path):
     proc = _run([str(LLAMA), "fit", "--config", str(REHEARSAL), "--trainer.max_steps", "40"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, gaudi
 
+pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
+
 FAKES = Path(__file__).parent / "fakes"
 
 

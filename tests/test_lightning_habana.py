@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
+
 
 @pytest.fixture(scope="module")
 def habana_site(tmp_path_factory):

@@ -11,6 +11,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_gaudi_fsdp import options
 
+pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
+
 
 @pytest.mark.parametrize(
     ("value", "expected"),

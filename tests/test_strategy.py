@@ -12,6 +12,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_gaudi_fsdp import GaudiAccelerator, GaudiFSDPPrecision, GaudiFSDPStrategy
 
+pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
+
 
 def test_defaults_are_resolved_without_touching_devices():
     strategy = GaudiFSDPStrategy()

@@ -41,6 +41,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
 def test_inspect_describes_each_format(saved, fmt):
     ckpt, _ = saved[fmt]
@@ -77,6 +78,7 @@ def _reference_output(weights) -> torch.Tensor:
     return net(torch.randn(5, 16, generator=torch.Generator().manual_seed(3)))
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("src_fmt", ["local", "sharded"])
 def test_convert_to_full_loads_into_the_plain_module(saved, tmp_path, src_fmt):
     ckpt, final = saved[src_fmt]
@@ -91,6 +93,7 @@ def test_convert_to_full_loads_into_the_plain_module(saved, tmp_path, src_fmt):
     assert "not converted" not in out.stderr
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("src_fmt", ["full", "local"])
 def test_convert_to_sharded_then_load_on_two_ranks(saved, tmp_path, scenario, src_fmt):
     ckpt, final = saved[src_fmt]

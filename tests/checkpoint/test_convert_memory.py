@@ -21,6 +21,7 @@ def test_conversions_add_about_one_model_of_memory(scenario, tmp_path):
             ]
         },
         script="convert_memory.py",
+        single_process=True,
     )
     measured = json.loads((run.out / "memory.json").read_text())
     print(json.dumps(measured, indent=1))

@@ -18,6 +18,7 @@ def _changed(a, b) -> bool:
     return any(not torch.allclose(a[k], b[k]) for k in a)
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize(("algorithm", "value"), [("norm", 0.05), ("value", 0.002)])
 def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
     module = {"optimizer": "sgd", "scheduler": False, "lr": 0.5}
@@ -39,6 +40,7 @@ def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
     assert _changed(unclipped["weights"], ref["weights"])
 
 
+@pytest.mark.versions
 def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario):
     ref = scenario({"strategy": "reference", "max_steps": 3, "module": {"batch_size": 8}}).final()
     got = scenario(
@@ -53,6 +55,7 @@ def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scen
     _assert_close_weights(got["weights"], ref["weights"])
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
 def test_precision_matrix_trains(scenario, precision):
     run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": precision}, "max_steps": 4})
@@ -79,6 +82,7 @@ def test_sync_dist_logging_collectives_and_torchmetrics(scenario):
     assert info["metric_device"] == "cpu"
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
 def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt):
     info = scenario(
@@ -95,6 +99,7 @@ def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, f
         assert info[f"{source}_predict_matches_plain_model"] is True
 
 
+@pytest.mark.versions
 def test_manual_optimization_matches_one_process(scenario):
     # manual_backward, clip_gradients by norm, opt.step and a scheduler stepped by hand, with activation
     # checkpointing (its recomputation runs FSDP units during backward) and the default AdamW.
@@ -167,7 +172,8 @@ def test_meta_device_init_materialises_only_shards(scenario, monkeypatch):
     # ~100 MB of fp32 weights built on the meta device in configure_model; every block is its own FSDP unit,
     # materialised (reset_parameters) and sharded one at a time.
     module = {"meta_init": True, "depth": 24, "width": 1024, "n_samples": 16, "optimizer": "sgd", "scheduler": False}
-    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "module": module, "max_steps": 1})
+    # Lightning's launcher starts fresh processes, so glibc reads MALLOC_MMAP_THRESHOLD_ (a forked rank would not).
+    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "module": module, "max_steps": 1}, launcher="lightning")
     for rank in (0, 1):
         info = run.rank(rank)
         assert info["model_bytes"] > 90e6

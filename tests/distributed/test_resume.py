@@ -76,6 +76,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize(("fmt", "sharding"), CASES)
 def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
@@ -151,6 +152,7 @@ def test_weights_only_checkpoint_restores_weights(scenario, tmp_path):
     assert first.final()["step"] == 4
 
 
+@pytest.mark.versions
 def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path):
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
     ckpt = tmp_path / "ckpt"
@@ -181,6 +183,7 @@ def test_checkpoints_cross_between_lightning_fsdp_strategy_and_ours(scenario, tm
     _assert_same_run(resumed.final(), straight)
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize(("to", "use_orig_params"), [("sharded", True), ("full", False)])
 def test_local_checkpoint_converted_offline_resumes_exactly(scenario, tmp_path, uninterrupted, to, use_orig_params):
     """The way to leave a local checkpoint: convert it (here to each target, each optimizer layout), then resume;

@@ -16,6 +16,7 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_two_ranks_match_one_process_on_the_global_batch(scenario, sharding):
     steps = 5
@@ -57,6 +58,7 @@ def full_shard_run(tmp_path_factory):
     return run_script("train.py", cfg, tmp_path_factory.mktemp("full_shard"))
 
 
+@pytest.mark.versions
 def test_full_shard_gives_each_rank_half_of_every_flat_parameter(full_shard_run):
     for rank in (0, 1):
         units = [u for u in full_shard_run.rank(rank)["units"] if "local_numel" in u]
@@ -150,6 +152,7 @@ def test_mixed_precision_dict_sets_the_dtype_layers_compute_in(scenario):
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
 
 
+@pytest.mark.versions
 def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_torch(scenario):
     # lightning-habana's default on Gaudi (bf16 parameters, fp32 reduction) with SHARD_GRAD_OP and prefetching: on
     # torch 2.6-2.9 it failed in backward when the root cast the float32 targets to bf16 for the user's loss.
@@ -173,6 +176,7 @@ def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_
         assert all(math.isfinite(loss) for loss in info["losses"])
 
 
+@pytest.mark.versions
 def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario):
     run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": "bf16-mixed"}, "max_steps": 2})
     info = run.rank(1)
@@ -189,6 +193,7 @@ def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):
     assert run.rank(0)["global_step"] == 2
 
 
+@pytest.mark.versions
 def test_compile_compiles_each_unit(scenario):
     run = scenario({"strategy": {"auto_wrap_policy": [BLOCK], "compile": True}, "max_steps": 2, "probes": ["dynamo"]})
     info = run.rank(0)
@@ -196,6 +201,7 @@ def test_compile_compiles_each_unit(scenario):
     assert info["dynamo_frames_ok"] > 0
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize("policy", [[BLOCK], None])
 def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario, policy):
     run = scenario(
