@@ -40,12 +40,22 @@ def versions() -> dict[str, str]:
 def fsdp_unit_count(model: Module) -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from lightning_gaudi_fsdp.engine import fsdp2
+
+    if fsdp2.is_fsdp2(model):
+        return len(fsdp2.unit_names(model))
     return sum(isinstance(m, FSDP) for m in model.modules())
 
 
 def held_elements(model: Module) -> int:
-    """Elements of the flat parameters this rank holds (its shards, or whole parameters where unsharded)."""
+    """Elements of the flat parameters (FSDP1) or parameter shards (FSDP2) this rank holds (its shards, or whole
+    parameters where unsharded)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from lightning_gaudi_fsdp.engine import fsdp2
+
+    if fsdp2.is_fsdp2(model):
+        return fsdp2.held_elements(model)
 
     flat_params = {
         id(m._handle.flat_param): m._handle.flat_param
@@ -64,16 +74,19 @@ def _held_row(held_per_rank: list[int]) -> str:
 
 def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -> str:
     model = strategy._wrapped_model()
-    mp = strategy.mixed_precision_config
-    dtypes = (
-        "fp32 (no FSDP mixed precision)"
-        if mp is None
-        else (f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}")
-    )
+    fsdp2 = strategy._fsdp_version == 2
+    mp = strategy._mp_policy if fsdp2 else strategy.mixed_precision_config
+    if mp is None:
+        dtypes = "fp32 (no FSDP mixed precision)"
+    elif fsdp2:
+        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, output={mp.output_dtype}"
+    else:
+        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
     rows = [
+        ("engine", "FSDP2 (fully_shard)" if fsdp2 else "FSDP1 (FullyShardedDataParallel)"),
         ("sharding", strategy.sharding_strategy.name),
         ("FSDP units", str(fsdp_unit_count(model))),
-        ("flat parameters per rank", _held_row(held_per_rank)),
+        ("parameter shards per rank" if fsdp2 else "flat parameters per rank", _held_row(held_per_rank)),
         ("mixed precision", dtypes),
         ("Trainer precision", str(strategy.precision_plugin.precision)),
         ("state_dict_type", strategy._state_dict_type),
@@ -98,7 +111,10 @@ def fingerprint(model: Module, sharding: str) -> dict[str, object]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from lightning_gaudi_fsdp.checkpoint.layout import _clean
+    from lightning_gaudi_fsdp.engine import fsdp2
 
+    if fsdp2.is_fsdp2(model):
+        return {"sharding_strategy": sharding, "units": fsdp2.unit_names(model)}
     units = {
         _clean(name): (m._handle.flat_param._unpadded_unsharded_size.numel() if m._handle is not None else 0)
         for name, m in model.named_modules()

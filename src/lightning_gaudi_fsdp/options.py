@@ -20,6 +20,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 from torch.nn import Module
 
 StateDictType = Literal["full", "sharded", "local"]
+FSDPVersion = Literal[1, 2]
+FSDP_VERSIONS: tuple[int, ...] = (1, 2)
 STATE_DICT_TYPES: tuple[str, ...] = ("full", "sharded", "local")
 PROCESS_GROUP_BACKENDS: tuple[str, ...] = ("hccl", "gloo", "nccl", "mpi")
 
@@ -45,6 +47,7 @@ MIXED_PRECISION_KEYS: tuple[str, ...] = (
     "keep_low_precision_grads",
     "cast_forward_inputs",
     "cast_root_forward_inputs",
+    "output_dtype",  # FSDP2 only
 )
 _MIXED_PRECISION_DTYPE_KEYS = MIXED_PRECISION_KEYS[:3]
 
@@ -131,16 +134,127 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
     # mse_loss(out.float(), target) then fails in backward ("Found dtype BFloat16 but expected Float"). Unless the
     # dict says otherwise, each FSDP unit below the root casts its own inputs instead and the batch keeps its dtypes
     # (the strategy turns the root's own casting off once it has wrapped the model).
+    if value.get("output_dtype") is not None:
+        raise ValueError(
+            f"mixed_precision['output_dtype']={value['output_dtype']!r} needs fsdp_version=2 (FSDP1's MixedPrecision "
+            "has no output dtype)"
+        )
     kwargs: dict[str, Any] = (
         {"cast_forward_inputs": True, "cast_root_forward_inputs": False} if keeps_batch_dtypes(value) else {}
     )
     for key, item in value.items():
+        if key == "output_dtype":
+            continue
         argument = f"mixed_precision[{key!r}]"
         if key in _MIXED_PRECISION_DTYPE_KEYS:
             kwargs[key] = None if item is None else resolve_dtype(item, argument)
         else:
             kwargs[key] = resolve_bool(item, argument)
     return MixedPrecision(**kwargs)
+
+
+def resolve_fsdp_version(value: object) -> FSDPVersion:
+    """``1`` (torch ``FullyShardedDataParallel``) or ``2`` (``fully_shard``); ``"1"``/``"2"`` too."""
+    if isinstance(value, str) and value.strip() in ("1", "2"):
+        value = int(value.strip())
+    if isinstance(value, bool) or value not in FSDP_VERSIONS:
+        raise _unsupported("fsdp_version", value, map(str, FSDP_VERSIONS))
+    return value  # type: ignore[return-value]
+
+
+def resolve_mixed_precision_policy(value: Mapping[str, Any] | MixedPrecision | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` from the same inputs as :func:`resolve_mixed_precision` (a policy object
+    passes through). FSDP2 leaves buffers alone and always reduces gradients in ``reduce_dtype``, so
+    ``buffer_dtype`` and ``keep_low_precision_grads=True`` are refused with what FSDP2 does instead."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, MixedPrecision):
+        value = {
+            "param_dtype": value.param_dtype,
+            "reduce_dtype": value.reduce_dtype,
+            "buffer_dtype": value.buffer_dtype,
+            "keep_low_precision_grads": value.keep_low_precision_grads,
+            "cast_forward_inputs": value.cast_forward_inputs or value.cast_root_forward_inputs,
+        }
+    if not isinstance(value, Mapping):
+        raise TypeError(f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}")
+    unknown = [key for key in value if key not in MIXED_PRECISION_KEYS]
+    if unknown:
+        raise ValueError(
+            f"mixed_precision has unknown key(s) {_expected(map(str, unknown))}; "
+            f"expected any of {_expected(MIXED_PRECISION_KEYS)}"
+        )
+    if value.get("buffer_dtype") is not None:
+        raise ValueError(
+            f"mixed_precision['buffer_dtype']={value['buffer_dtype']!r} is not supported with fsdp_version=2: FSDP2 "
+            "does not manage buffers (they keep the dtype the module gives them); cast them in the model or use "
+            "fsdp_version=1"
+        )
+    if value.get("keep_low_precision_grads"):
+        raise ValueError(
+            "mixed_precision['keep_low_precision_grads']=True is not supported with fsdp_version=2: FSDP2 reduces "
+            "gradients in reduce_dtype and keeps them in the parameters' dtype; use fsdp_version=1"
+        )
+    kwargs: dict[str, Any] = {}
+    for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+        item = value.get(key)
+        kwargs[key] = None if item is None else resolve_dtype(item, f"mixed_precision[{key!r}]")
+    casts = [value[k] for k in ("cast_forward_inputs", "cast_root_forward_inputs") if k in value]
+    for key in ("cast_forward_inputs", "cast_root_forward_inputs"):
+        if key in value:
+            resolve_bool(value[key], f"mixed_precision[{key!r}]")
+    kwargs["cast_forward_inputs"] = any(casts) if casts else True
+    return MixedPrecisionPolicy(**kwargs)
+
+
+def check_fsdp2_arguments(
+    *,
+    sharding_strategy: ShardingStrategy,
+    process_group: object,
+    backward_prefetch: BackwardPrefetch | None,
+    limit_all_gathers: bool,
+    use_orig_params: bool,
+    ignored: bool,
+) -> None:
+    """Arguments whose FSDP1 value has no FSDP2 counterpart fail here, before any process starts, naming what
+    FSDP2 does instead."""
+    if sharding_strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            "sharding_strategy='NO_SHARD' is not supported with fsdp_version=2: fully_shard always shards; use "
+            "fsdp_version=1 for NO_SHARD, or Lightning's DDP strategy"
+        )
+    if process_group is not None:
+        raise ValueError(
+            "process_group is not supported with fsdp_version=2: fully_shard takes a device mesh; pass device_mesh "
+            "([replicas, shard_size] for hybrid sharding) or leave both unset to shard over every rank"
+        )
+    if backward_prefetch != BackwardPrefetch.BACKWARD_PRE:
+        name = None if backward_prefetch is None else backward_prefetch.name
+        raise ValueError(
+            f"backward_prefetch={name!r} is not supported with fsdp_version=2: FSDP2 always prefetches the next "
+            "unit's all-gather in backward (what 'BACKWARD_PRE' does); leave it at 'BACKWARD_PRE' or use "
+            "fsdp_version=1"
+        )
+    if not limit_all_gathers:
+        raise ValueError(
+            "limit_all_gathers=False is not supported with fsdp_version=2: FSDP2 always bounds the all-gathers in "
+            "flight; leave it True or use fsdp_version=1"
+        )
+    if not use_orig_params:
+        raise ValueError(
+            "use_orig_params=False is not supported with fsdp_version=2: FSDP2 always exposes the original "
+            "parameters (one DTensor each, no flat parameters); leave it True or use fsdp_version=1"
+        )
+    if ignored:
+        from lightning_gaudi_fsdp import _compat
+
+        if not _compat.FSDP2_IGNORED_PARAMS:
+            raise ValueError(
+                f"ignored_modules/ignored_states need torch >= 2.7 with fsdp_version=2 (fully_shard has no "
+                f"ignored_params in torch {_compat.TORCH_VERSION}); use fsdp_version=1 on this torch"
+            )
 
 
 def keeps_batch_dtypes(value: object) -> bool:

@@ -60,4 +60,9 @@ class GaudiFSDPPrecision(FSDPPrecision):
         # module computes the norm over all shards and all ranks.
         if self._fsdp_root is None:
             raise RuntimeError("gradient clipping by norm needs the FSDP-wrapped model; the strategy is not set up")
-        self._fsdp_root.clip_grad_norm_(clip_val)  # type: ignore[operator]
+        from lightning_gaudi_fsdp.engine import fsdp2
+
+        if fsdp2.is_fsdp2(self._fsdp_root):
+            fsdp2.clip_grad_norm_(self._fsdp_root, clip_val)  # DTensor gradients: the norm spans every rank
+        else:
+            self._fsdp_root.clip_grad_norm_(clip_val)  # type: ignore[operator]

@@ -83,6 +83,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             documented switch for FSDP stability problems. ``None`` leaves the environment alone.
         process_group_backend: default ``"hccl"`` on Gaudi and ``"gloo"`` on CPU; only ``"hccl"`` works on Gaudi.
         timeout: collective timeout, a ``timedelta`` or seconds.
+        fsdp_version: ``1`` (default) shards with torch's ``FullyShardedDataParallel`` (flat parameters);
+            ``2`` with ``fully_shard`` (one DTensor per parameter). The same arguments apply to both; a value that
+            has no FSDP2 meaning is refused here with what FSDP2 does instead (README: "The FSDP2 engine").
     """
 
     strategy_name = "gaudi_fsdp"
@@ -115,13 +118,28 @@ class GaudiFSDPStrategy(FSDPStrategy):
         activation_checkpointing_policy: _CheckpointPolicyInput = None,
         compile: bool | dict[str, Any] = False,
         eager_pipeline: bool | None = None,
+        fsdp_version: int = 1,
     ) -> None:
         sharding = options.resolve_sharding_strategy(sharding_strategy)
         wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
         mesh = options.resolve_device_mesh(device_mesh)
         options.check_hybrid_requirements(sharding, wrap_policy, process_group, mesh)
         self._state_dict_type = options.resolve_state_dict_type(state_dict_type)
-        options.check_state_dict_type(self._state_dict_type, sharding, mesh)
+        self._fsdp_version = options.resolve_fsdp_version(fsdp_version)
+        prefetch = options.resolve_backward_prefetch(backward_prefetch)
+        self._mp_policy = None
+        if self._fsdp_version == 2:
+            options.check_fsdp2_arguments(
+                sharding_strategy=sharding,
+                process_group=process_group,
+                backward_prefetch=prefetch,
+                limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
+                use_orig_params=options.resolve_bool(use_orig_params, "use_orig_params"),
+                ignored=ignored_modules is not None or ignored_states is not None,
+            )
+            self._mp_policy = options.resolve_mixed_precision_policy(mixed_precision)
+        else:
+            options.check_state_dict_type(self._state_dict_type, sharding, mesh)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -131,13 +149,13 @@ class GaudiFSDPStrategy(FSDPStrategy):
             process_group_backend=options.resolve_process_group_backend(process_group_backend),
             timeout=options.resolve_timeout(timeout),
             cpu_offload=options.resolve_cpu_offload(cpu_offload),
-            mixed_precision=options.resolve_mixed_precision(mixed_precision),
+            mixed_precision=options.resolve_mixed_precision(mixed_precision) if self._fsdp_version == 1 else None,
             auto_wrap_policy=wrap_policy,
             sharding_strategy=sharding,
             state_dict_type=self._state_dict_type,  # type: ignore[arg-type]
             device_mesh=mesh,
             process_group=process_group,
-            backward_prefetch=options.resolve_backward_prefetch(backward_prefetch),
+            backward_prefetch=prefetch,
             param_init_fn=options.resolve_callable(param_init_fn, "param_init_fn"),
             sync_module_states=options.resolve_bool(sync_module_states, "sync_module_states"),
             forward_prefetch=options.resolve_bool(forward_prefetch, "forward_prefetch"),
@@ -213,7 +231,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             self._check_mesh_size(self.world_size)
-            self._device_mesh = init_device_mesh(self.root_device.type, self._device_mesh)
+            self._device_mesh = init_device_mesh(
+                self.root_device.type, self._device_mesh, mesh_dim_names=("replicate", "shard")
+            )
         if self._device_mesh is not None:
             self.kwargs["device_mesh"] = self._device_mesh
         if self.world_size > 1 and self._heartbeat is None:
@@ -294,6 +314,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+        if self._fsdp_version == 2:
+            return self._setup_fsdp2(model)
         previous = self._fsdp_root
         if previous is not None and previous.module is model:
             # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
@@ -334,6 +356,63 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self.precision_plugin.attach(model)
         return model
 
+    def _setup_fsdp2(self, model: Module) -> Module:
+        from lightning_gaudi_fsdp.engine import fsdp2
+
+        if fsdp2.is_fsdp2(model):  # validate/test/predict after fit: already sharded in place
+            return model
+        ignored = self._resolve_ignored(model)
+        ignored_params = _ignored_parameters(ignored)
+        if self.kwargs.get("sync_module_states"):
+            _broadcast_module_states(model)
+        self._cache_off_in_training = activation.apply_activation_checkpointing(
+            model, self._activation_checkpointing_kwargs
+        )
+        units = fsdp2.select_units(model, self.kwargs.get("auto_wrap_policy"), ignored.get("ignored_modules", ()))
+        fsdp2.apply_fsdp2(
+            model,
+            units,
+            mesh=self._fsdp2_mesh(),
+            reshard_after_forward=self.sharding_strategy
+            in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+            mp_policy=self._mp_policy,
+            offload_policy=self._fsdp2_offload_policy(),
+            ignored_params=ignored_params,
+            root_casts_inputs=not self._keep_batch_dtypes,
+        )
+        param_init_fn = self.kwargs.get("param_init_fn")
+        fsdp2.materialize_meta(model, self._fsdp_device(), param_init_fn)
+        if self.kwargs.get("forward_prefetch"):
+            fsdp2.set_forward_prefetch(units)
+        if self.process_group_backend == "hccl":
+            fsdp2.force_sum_reductions(model)
+        _move_torchmetrics_to_device(model, self.root_device)
+        self._fsdp_root = model
+        if self._compile_kwargs is not None:
+            _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
+        self.precision_plugin.attach(model)
+        return model
+
+    def _fsdp2_mesh(self) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        mesh = self._device_mesh
+        if isinstance(mesh, DeviceMesh):
+            return mesh
+        if self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            # (replicate, shard): default one replica per node, sharded over the node's devices
+            shape = (self.num_nodes, self.num_processes)
+            self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        return self._device_mesh
+
+    def _fsdp2_offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = self._effective_cpu_offload()
+        return CPUOffloadPolicy() if offload.offload_params else None
+
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -363,6 +442,8 @@ class GaudiFSDPStrategy(FSDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module, root = self.lightning_module, self._fsdp_root
+        if self._fsdp_version == 2:
+            return self._through_fsdp2_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
         if module is None or module.automatic_optimization or root is None:
             return super().training_step(*args, **kwargs)
         # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
@@ -370,6 +451,35 @@ class GaudiFSDPStrategy(FSDPStrategy):
         # root, as Fabric users call their wrapped model.
         with self.precision_plugin.train_step_context(), _forward_through_root(root, module):
             return module.training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fsdp_version == 2:
+            return self._through_fsdp2_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fsdp_version == 2:
+            return self._through_fsdp2_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fsdp_version == 2:
+            return self._through_fsdp2_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    def _through_fsdp2_root(
+        self, method: str, context: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        # FSDP2 shards the LightningModule in place (self.model is the module): run the step inside its forward,
+        # so the root gathers its own parameters (and casts inputs) as FSDP1's wrapper does.
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"GaudiFSDPStrategy.{method}: the model is not set up")
+        with context():
+            return self._forward_redirection(module, module, method, *args, **kwargs)
 
     def _check_ranks_agree(self) -> list[int]:
         """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
@@ -613,3 +723,15 @@ def _count_param_groups(optimizers: Any) -> int:
 
     visit(optimizers)
     return max((len(opt.param_groups) for opt in found), default=0)
+
+
+def _ignored_parameters(ignored: Mapping[str, Any]) -> set[Parameter] | None:
+    """FSDP2's ``ignored_params`` from FSDP1's ``ignored_modules``/``ignored_states`` (modules count with every
+    parameter they hold)."""
+    items = [*ignored.get("ignored_modules", ()), *ignored.get("ignored_states", ())]
+    if not items:
+        return None
+    params: set[Parameter] = set()
+    for item in items:
+        params.update(item.parameters() if isinstance(item, Module) else [item])
+    return params

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine import fsdp2
 
 
 def fsdp_units(model: torch.nn.Module) -> list[Any]:
@@ -35,13 +36,16 @@ class Probe(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.info["setup_peak_added_bytes"] = status_bytes("VmHWM") - self.rss_before_setup
-        self.info["model_bytes"] = 4 * sum(
-            u._handle.flat_param._unpadded_unsharded_size.numel()
-            for u in [m for _, m in fsdp_units(trainer.strategy.model)]
-            if u._handle is not None
-        )
         model = trainer.strategy.model
-        if not fsdp_units(model):
+        if fsdp2.is_fsdp2(model):
+            self.info["model_bytes"] = 4 * sum(p.numel() for p in model.parameters())
+        else:
+            self.info["model_bytes"] = 4 * sum(
+                u._handle.flat_param._unpadded_unsharded_size.numel()
+                for u in [m for _, m in fsdp_units(model)]
+                if u._handle is not None
+            )
+        if not fsdp_units(model) and not fsdp2.is_fsdp2(model):
             return
         full = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
         if trainer.global_rank == 0:
@@ -77,6 +81,12 @@ class Probe(Callback):
         info["precision_plugin"] = type(trainer.strategy.precision_plugin).__name__
         info["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         info["units"] = []
+        if fsdp2.is_fsdp2(model):
+            info["engine"] = 2
+            info["units"] = _fsdp2_units(model)
+            info["ignored_params"] = sorted(
+                n for n, p in pl_module.named_parameters() if not isinstance(p, torch.distributed.tensor.DTensor)
+            )
         for name, unit in units:
             entry = {
                 "name": name,
@@ -105,6 +115,34 @@ class Probe(Callback):
 
             info["dynamo_frames_ok"] = int(counters["frames"]["ok"])
         write_json(self.out, f"rank{trainer.global_rank}.json", info)
+
+
+def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Each fully_shard unit: its name, the parameter elements it owns and this rank's share of them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owned: set[int] = set()
+    units = []
+    for name, module in reversed([(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]):
+        params = [p for p in module.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        state = module._get_fsdp_state()
+        group = state._fsdp_param_group
+        units.append(
+            {
+                "name": name,
+                "unsharded_numel": sum(p.numel() for p in params),
+                "local_numel": sum(p.to_local().numel() for p in params),
+                "shard_dim0": {
+                    n: list(p.to_local().shape)
+                    for n, p in module.named_parameters()
+                    if id(p) in {id(q) for q in params}
+                },
+                "reshard_after_forward": None if group is None else bool(group.post_forward_mesh_info),
+                "mesh": list(group.mesh_info.mesh.shape) if group is not None else None,
+            }
+        )
+    return list(reversed(units))
 
 
 class SaveAtStep(Callback):

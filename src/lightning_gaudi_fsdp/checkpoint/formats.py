@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import commit
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
+from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
 CheckpointFormat = Literal["full", "sharded", "local"]
 SHARDED_METADATA = "meta.pt"  # Lightning's name: a folder with it is a sharded checkpoint to Lightning too
@@ -115,6 +116,8 @@ def _managed_names(model: Module) -> set[str]:
 # ---------------------------------------------------------------------------------------------- state extraction
 def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> dict[str, Any]:
     """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``)."""
+    if fsdp2.is_fsdp2(model):
+        return fsdp2_state.model_state_dict(model, fmt)
     with state_dict_context(model, fmt, device_type):
         state = model.state_dict()
     if fmt != "local":
@@ -136,6 +139,8 @@ def optimizer_state_dict(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
 
+    if fsdp2.is_fsdp2(model):
+        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank)
     if fmt == "local":
         return optimizer.state_dict()
     with state_dict_context(model, fmt, device_type):
@@ -261,7 +266,16 @@ def _save_local(
 def local_metadata(
     model: Module, sharding_strategy: str, versions: Mapping[str, str], optimizers: Sequence[Optimizer] = ()
 ) -> dict[str, Any]:
+    if fsdp2.is_fsdp2(model):
+        return {
+            "engine": 2,
+            "sharding_strategy": sharding_strategy,
+            "parameters": fsdp2_state.local_layout(model),
+            "optimizer_param_names": [param_id_names(model, optimizer) for optimizer in optimizers],
+            "versions": dict(versions),
+        }
     return {
+        "engine": 1,
         "sharding_strategy": sharding_strategy,
         "fsdp_units": fsdp_units(model),
         "flat_params": flat_param_layout(model),

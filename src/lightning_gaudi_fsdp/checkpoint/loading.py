@@ -29,11 +29,14 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     state_dict_context,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
+from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
 
 # ------------------------------------------------------------------------------------------------------ checking
 def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the parameters a full state dict of ``model`` must hold."""
+    if fsdp2.is_fsdp2(model):
+        return fsdp2_state.expected_full_shapes(model)
     shapes = {
         (f"{e['prefix']}.{f}" if e["prefix"] else f): tuple(s)
         for e in flat_param_layout(model)
@@ -100,6 +103,19 @@ def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[s
             f"{world_size}; a local checkpoint only loads at the world size that wrote it. Convert it with "
             f"`lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it at another size",
         )
+    engine = 2 if fsdp2.is_fsdp2(model) else 1
+    if meta.get("engine", 1) != engine:
+        raise CheckpointError(
+            path,
+            f"this local checkpoint was written by the FSDP{meta.get('engine', 1)} engine and this run uses "
+            f"FSDP{engine} (fsdp_version={engine}); a local checkpoint only loads on the engine that wrote it. Convert "
+            f"it with `lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it on the other engine",
+        )
+    if engine == 2:
+        saved = [(e["name"], e["shape"]) for e in meta.get("parameters", [])]
+        if saved != [(e["name"], e["shape"]) for e in fsdp2_state.local_layout(model)]:
+            raise CheckpointError(path, "its parameters (names or shapes) differ from this model's")
+        return meta
     current = flat_param_layout(model)
     saved_units = [(e["key"], e["fqns"], e["shapes"]) for e in meta.get("flat_params", [])]
     if saved_units != [(e["key"], e["fqns"], e["shapes"]) for e in current]:
@@ -134,7 +150,10 @@ def check_load(
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
     path = Path(path)
     fmt = detect_format(path)
-    if fmt in ("sharded", "local"):
+    engine2 = fsdp2.is_fsdp2(model)
+    if fmt in ("sharded", "local") and engine2:
+        current = fsdp2_state.sharded_template(model) if fmt == "sharded" else model.state_dict()
+    elif fmt in ("sharded", "local"):
         with state_dict_context(model, fmt, device_type):
             current = model.state_dict()
     if fmt == "full":
@@ -154,7 +173,7 @@ def check_load(
     shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
-    missing = [k for k in current if k.endswith(FLAT_PARAM) and k not in shard["model"]]
+    missing = [k for k in current if (engine2 or k.endswith(FLAT_PARAM)) and k not in shard["model"]]
     if missing:
         raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")
     return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"))
@@ -171,7 +190,9 @@ def apply_load(
 ) -> dict[str, Any]:
     """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
     path, rest = pending.path, pending.rest
-    if pending.fmt == "full":
+    if fsdp2.is_fsdp2(model):
+        _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers)
+    elif pending.fmt == "full":
         with state_dict_context(model, "full", device_type, rank0_only=False):
             model.load_state_dict(pending.model_state, strict=strict)
         if load_optimizers and pending.optimizer_states is not None:
@@ -186,6 +207,57 @@ def apply_load(
             for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
                 optimizer.load_state_dict(state)
     return rest
+
+
+def _apply_fsdp2_load(
+    pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
+) -> None:
+    path = pending.path
+    if pending.fmt == "full":
+        fsdp2_state.load_full(model, pending.model_state, strict)
+    elif pending.fmt == "sharded":
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": pending.model_state}
+        dcp.load(state, checkpoint_id=path)
+        fsdp2_state.load_sharded(model, state["model"], strict)
+    else:
+        fsdp2_state.load_local(model, pending.model_state)
+    if not load_optimizers:
+        return
+    if pending.fmt == "sharded":
+        _load_sharded_fsdp2_optimizers(pending, model, optimizers)
+        return
+    if pending.optimizer_states is None:
+        return
+    _check_optimizer_count(path, pending.optimizer_states, optimizers)
+    for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
+        if not state.get("state"):
+            optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
+        elif pending.fmt == "full":
+            fsdp2_state.load_full_optimizer(model, optimizer, state)
+        else:
+            fsdp2_state.load_local_optimizer(model, optimizer, state)
+
+
+def _load_sharded_fsdp2_optimizers(pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    path, keys = pending.path, set(pending.dcp_metadata.state_dict_metadata)
+    groups = pending.rest.pop(OPTIMIZER_GROUPS_KEY, [])
+    if not any(k.startswith("optimizer_") for k in keys):
+        return  # a weights-only checkpoint
+    for idx, optimizer in enumerate(optimizers):
+        key = f"optimizer_{idx}"
+        if not any(k.startswith(f"{key}.") for k in keys):
+            raise CheckpointError(path, f"it holds no state for optimizer {idx}")
+        if not any(k.startswith(f"{key}.state.") for k in keys):
+            if idx < len(groups):
+                optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
+            continue
+        state = {key: fsdp2_state.sharded_template(model, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        fsdp2_state.load_sharded_optimizer(model, optimizer, state[key])
 
 
 def _check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:

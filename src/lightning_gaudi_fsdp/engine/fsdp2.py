@@ -1,0 +1,159 @@
+"""The FSDP2 engine: ``torch.distributed.fsdp.fully_shard`` (one DTensor per parameter, no flat parameters).
+
+The functions take resolved values (a mesh, a ``MixedPrecisionPolicy``, the units to shard), torchtitan's
+``apply_fsdp`` style; the strategy decides them from its arguments. The LightningModule itself becomes the FSDP2 root,
+so its own parameters are gathered when its forward runs, and the strategy runs each step through that forward as it
+does for FSDP1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+
+log = logging.getLogger("lightning_gaudi_fsdp")
+
+
+def is_fsdp2(model: Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def select_units(root: Module, policy: Any, ignored: Iterable[Module] = ()) -> list[Module]:
+    """The modules below ``root`` that ``policy`` (an FSDP1 auto-wrap policy: module classes, size-based, callable)
+    makes their own unit, bottom-up. Like FSDP1, a unit owns the parameters of its subtree not owned by a unit
+    below it, which is what a size-based policy counts."""
+    if policy is None:
+        return []
+    from torch.distributed.fsdp.wrap import _Policy
+
+    skip = set(ignored)
+    if isinstance(policy, _Policy) and not callable(policy):
+        targets = policy._run_policy(root, skip, {})
+        return [m for m in _post_order(root) if m in targets and m is not root]
+    chosen: list[Module] = []
+    owned: set[int] = set()
+    for module in _post_order(root):
+        if module is root or module in skip:
+            continue
+        free = [p for p in module.parameters() if id(p) not in owned]
+        if policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in free)):
+            chosen.append(module)
+            owned.update(id(p) for p in free)
+    return chosen
+
+
+def _post_order(root: Module) -> list[Module]:
+    order: list[Module] = []
+
+    def visit(module: Module) -> None:
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(root)
+    return order
+
+
+def apply_fsdp2(
+    root: Module,
+    units: Sequence[Module],
+    *,
+    mesh: Any,
+    reshard_after_forward: bool,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: set[Parameter] | None,
+    root_casts_inputs: bool,
+) -> None:
+    """``fully_shard`` each unit bottom-up, then the root. ``root_casts_inputs=False`` keeps the root from casting
+    the batch (the units below still cast their own inputs)."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params  # torch >= 2.7, checked before launch
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    root_kwargs = dict(kwargs)
+    if not root_casts_inputs:
+        root_kwargs["mp_policy"] = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
+    fully_shard(root, **root_kwargs)
+    log.info("FSDP2: fully_shard applied to %d unit(s) and the root", len(units))
+
+
+def set_forward_prefetch(units: Sequence[Module]) -> None:
+    """Each unit starts the next unit's all-gather before its own forward (FSDP1's ``forward_prefetch``)."""
+    for unit, following in zip(units, units[1:], strict=False):
+        unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
+
+
+def force_sum_reductions(model: Module) -> None:
+    """HCCL documents SUM, MIN and MAX only: reduce-scatter with SUM and divide, never AVG or PREMUL_SUM."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def materialize_meta(root: Module, device: torch.device, param_init_fn: Callable[[Module], None] | None) -> int:
+    """Allocate the shards of parameters and buffers still on the meta device on ``device`` and initialise them,
+    module by module: ``param_init_fn(module)`` when given (as FSDP1 calls it), else ``reset_parameters()``.
+    Returns how many modules were initialised."""
+    count = 0
+    for module in root.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not any(t.is_meta for t in tensors):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(module)  # materialises the module, as FSDP1 expects of it
+        else:
+            module.to_empty(device=device, recurse=False)
+            if callable(getattr(module, "reset_parameters", None)):
+                with torch.no_grad():
+                    module.reset_parameters()  # type: ignore[operator]
+        count += 1
+    return count
+
+
+def held_elements(model: Module) -> int:
+    """Elements of the parameter shards this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+
+
+def unit_names(model: Module) -> dict[str, int]:
+    """Each FSDP2 module (by name) and the global number of elements of the parameters it manages."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    owned: set[int] = set()
+    sizes: dict[str, int] = {}
+    for name, module in reversed(units):  # innermost first: a unit owns what no unit below it owns
+        params = [p for p in module.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        sizes[name] = sum(p.numel() for p in params)
+    return dict(reversed(list(sizes.items())))
+
+
+def clip_grad_norm_(model: Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm over every rank's gradient shards (DTensors reduce across the mesh)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

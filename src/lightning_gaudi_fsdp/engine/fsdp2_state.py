@@ -1,0 +1,171 @@
+"""State dicts of an FSDP2 model in the package's three checkpoint formats, written so that the files on disk are
+the ones FSDP1 writes: checkpoints cross engines.
+
+- ``full``: plain tensors gathered on rank 0 under the parameter names, optimizer state keyed by parameter id in
+  ``model.parameters()`` order (torch's standard form), as FSDP1 with ``use_orig_params=True`` writes it.
+- ``sharded``: DTensors (model) and DTensor optimizer state keyed by parameter name, which DCP stores under the same
+  keys as FSDP1's sharded state dicts, so either engine reads the other's (and reshards).
+- ``local``: each rank's local shard of every parameter and of its optimizer state, as plain tensors.
+
+torch's ``torch.distributed.checkpoint.state_dict`` does the gathering and sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def parameter_names(model: Module) -> list[str]:
+    """Names of ``model.parameters()`` in order: the ids of a full optimizer state."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for p in model.parameters()]
+
+
+def _to_local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().cpu().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, Mapping):
+        return {k: _to_local(v) for k, v in value.items()}
+    return value
+
+
+def model_state_dict(model: Module, fmt: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if fmt == "full":
+        return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model)
+    return _to_local(state) if fmt == "local" else state
+
+
+def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if fmt == "local":
+        return _to_local(optimizer.state_dict())
+    if fmt == "sharded":
+        return get_optimizer_state_dict(model, optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return {}
+    return _keyed_by_id(state, parameter_names(model))
+
+
+def _keyed_by_id(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    ids = {name: i for i, name in enumerate(names)}
+    return {
+        **state,
+        "state": {ids[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _keyed_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    def name(key: Any) -> str:
+        return names[key] if isinstance(key, int) else key
+
+    return {
+        **state,
+        "state": {name(k): v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def load_full(model: Module, state: Mapping[str, Any], strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=_options(full_state_dict=True, strict=strict))
+
+
+def load_full_optimizer(model: Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    named = _keyed_by_name(state, parameter_names(model))
+    set_optimizer_state_dict(model, optimizer, named, options=_options(full_state_dict=True))
+
+
+def sharded_template(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:
+    """The sharded state to load a DCP checkpoint into (optimizer state is initialised first if empty)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model)
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def load_sharded(model: Module, state: Mapping[str, Any], strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=_options(strict=strict))
+
+
+def load_sharded_optimizer(model: Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, dict(state))
+
+
+def load_local(model: Module, state: Mapping[str, Any]) -> None:
+    """Copy each saved local shard into this rank's shard of the parameter (or buffer) of the same name."""
+    from torch.distributed.tensor import DTensor
+
+    current = model.state_dict()
+    with torch.no_grad():
+        for name, value in state.items():
+            target = current[name]
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+
+
+def load_local_optimizer(model: Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+    """Load ``optimizer.state_dict()`` saved as local tensors: each state tensor shaped like its parameter's shard
+    becomes a DTensor on that parameter's mesh again."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    restored: dict[Any, Any] = {}
+    for key, entry in state["state"].items():
+        param = params[key]
+        restored[key] = {
+            k: DTensor.from_local(v.to(param.device), param.device_mesh, param.placements, run_check=False)
+            if isinstance(param, DTensor)
+            and isinstance(v, torch.Tensor)
+            and v.shape == param.to_local().shape
+            and v.dim() > 0
+            else v
+            for k, v in entry.items()
+        }
+    optimizer.load_state_dict({"state": restored, "param_groups": state["param_groups"]})
+
+
+def local_layout(model: Module) -> list[dict[str, Any]]:
+    """What a local FSDP2 checkpoint records to be checked and joined offline: each parameter's global shape and
+    its shard's shape on this rank (FSDP2 shards dim 0 the way ``torch.chunk`` does)."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        {
+            "name": name,
+            "shape": list(p.shape),
+            "placements": [str(pl) for pl in p.placements] if isinstance(p, DTensor) else [],
+        }
+        for name, p in model.named_parameters()
+    ]
