@@ -46,14 +46,18 @@ def _assert_same_run(resumed: dict, straight: dict) -> None:
 
 
 CASES = [
-    ("full", "FULL_SHARD"),
-    ("full", "SHARD_GRAD_OP"),
-    ("full", "NO_SHARD"),
-    ("sharded", "FULL_SHARD"),
-    ("sharded", "SHARD_GRAD_OP"),
-    ("sharded", "NO_SHARD"),
-    ("local", "FULL_SHARD"),
-    ("local", "SHARD_GRAD_OP"),
+    ("full", "FULL_SHARD", 1),
+    ("full", "SHARD_GRAD_OP", 1),
+    ("full", "NO_SHARD", 1),
+    ("sharded", "FULL_SHARD", 1),
+    ("sharded", "SHARD_GRAD_OP", 1),
+    ("sharded", "NO_SHARD", 1),
+    ("local", "FULL_SHARD", 1),
+    ("local", "SHARD_GRAD_OP", 1),
+    ("full", "FULL_SHARD", 2),
+    ("sharded", "FULL_SHARD", 2),
+    ("sharded", "SHARD_GRAD_OP", 2),
+    ("local", "FULL_SHARD", 2),
 ]
 
 
@@ -77,9 +81,10 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.versions
-@pytest.mark.parametrize(("fmt", "sharding"), CASES)
-def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding):
+@pytest.mark.parametrize(("fmt", "sharding", "engine"), CASES)
+def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding, engine):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    strategy["fsdp_version"] = engine
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / f"ckpt-{fmt}"
@@ -88,6 +93,40 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
     assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)
+
+
+def _assert_close_nested(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=0, msg=lambda m: f"{path}: {m}")
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), f"{path} keys differ"
+        for k in a:
+            _assert_close_nested(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_close_nested(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.mark.versions
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize(("writer", "reader"), [(1, 2), (2, 1)])
+def test_checkpoints_cross_engines(scenario, tmp_path, uninterrupted, fmt, writer, reader):
+    """Switch fsdp_version mid-training: the other engine resumes weights, AdamW state, scheduler and step."""
+    base = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+    k = STEPS_PER_EPOCH
+    straight = uninterrupted({**base, "fsdp_version": writer}, _module())
+    ckpt = tmp_path / "ckpt"
+    scenario({"strategy": {**base, "fsdp_version": writer}, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
+    resumed = scenario(
+        {"strategy": {**base, "fsdp_version": reader}, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)}
+    ).final()
+    assert (resumed["step"], resumed["epoch"], resumed["lr"]) == (straight["step"], straight["epoch"], straight["lr"])
+    _assert_close_nested(resumed["weights"], straight["weights"], "weights")
+    _assert_close_nested(resumed["optimizer"], straight["optimizer"], "optimizer")
+    _assert_equal_nested(resumed["schedulers"], straight["schedulers"], "schedulers")
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])

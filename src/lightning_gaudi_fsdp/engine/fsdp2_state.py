@@ -138,22 +138,32 @@ def load_local(model: Module, state: Mapping[str, Any]) -> None:
 def load_local_optimizer(model: Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
     """Load ``optimizer.state_dict()`` saved as local tensors: each state tensor shaped like its parameter's shard
     becomes a DTensor on that parameter's mesh again."""
-    from torch.distributed.tensor import DTensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     restored: dict[Any, Any] = {}
     for key, entry in state["state"].items():
         param = params[key]
-        restored[key] = {
-            k: DTensor.from_local(v.to(param.device), param.device_mesh, param.placements, run_check=False)
-            if isinstance(param, DTensor)
-            and isinstance(v, torch.Tensor)
-            and v.shape == param.to_local().shape
-            and v.dim() > 0
-            else v
-            for k, v in entry.items()
-        }
+        restored[key] = {k: _as_shard_of(param, v) for k, v in entry.items()}
     optimizer.load_state_dict({"state": restored, "param_groups": state["param_groups"]})
+
+
+def _as_shard_of(param: Any, value: Any) -> Any:
+    """``value`` as a DTensor laid out like ``param`` when it is that parameter's local shard (e.g. AdamW's
+    ``exp_avg``); anything else (a scalar ``step``) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
+        return value
+    if value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value.to(param.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,  # FSDP2 shards unevenly (torch.chunk): the global shape cannot be inferred
+        stride=param.stride(),
+    )
 
 
 def local_layout(model: Module) -> list[dict[str, Any]]:
