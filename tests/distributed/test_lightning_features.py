@@ -18,9 +18,10 @@ def _changed(a, b) -> bool:
     return any(not torch.allclose(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
 @pytest.mark.parametrize(("algorithm", "value"), [("norm", 0.05), ("value", 0.002)])
-def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
+def test_gradient_clipping_matches_one_process(scenario, algorithm, value, engine):
     module = {"optimizer": "sgd", "scheduler": False, "lr": 0.5}
     trainer = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
     ref = scenario(
@@ -28,7 +29,7 @@ def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
     ).final()
     got = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
             "max_steps": 3,
             "module": {**module, "batch_size": 4},
             "trainer": trainer,
@@ -40,12 +41,13 @@ def test_gradient_clipping_matches_one_process(scenario, algorithm, value):
     assert _changed(unclipped["weights"], ref["weights"])
 
 
+@pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
-def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario):
+def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario, engine):
     ref = scenario({"strategy": "reference", "max_steps": 3, "module": {"batch_size": 8}}).final()
     got = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
             "max_steps": 3,
             "module": {"batch_size": 2},
             "trainer": {"accumulate_grad_batches": 2},
@@ -55,10 +57,17 @@ def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scen
     _assert_close_weights(got["weights"], ref["weights"])
 
 
+@pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
-def test_precision_matrix_trains(scenario, precision):
-    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": precision}, "max_steps": 4})
+def test_precision_matrix_trains(scenario, precision, engine):
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
+            "trainer": {"precision": precision},
+            "max_steps": 4,
+        }
+    )
     info = run.rank(0)
     assert info["global_step"] == 4
     assert all(torch.isfinite(torch.tensor(info["losses"])))
@@ -82,14 +91,15 @@ def test_sync_dist_logging_collectives_and_torchmetrics(scenario):
     assert info["metric_device"] == "cpu"
 
 
+@pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
-def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt):
+def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt, engine):
     info = scenario(
         {
             "case": "eval_loops",
             "ckpt": str(tmp_path / "m.ckpt"),
-            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt},
+            "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine},
         },
         script="features.py",
     ).rank(0)
@@ -99,15 +109,20 @@ def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, f
         assert info[f"{source}_predict_matches_plain_model"] is True
 
 
+@pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
-def test_manual_optimization_matches_one_process(scenario):
+def test_manual_optimization_matches_one_process(scenario, engine):
     # manual_backward, clip_gradients by norm, opt.step and a scheduler stepped by hand, with activation
     # checkpointing (its recomputation runs FSDP units during backward) and the default AdamW.
     module = {"manual": True, "manual_clip_norm": 0.05}
     ref = scenario({"strategy": "reference", "max_steps": 4, "module": {**module, "batch_size": 8}}).final()
     got = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK], "activation_checkpointing_policy": [BLOCK]},
+            "strategy": {
+                "auto_wrap_policy": [BLOCK],
+                "activation_checkpointing_policy": [BLOCK],
+                "fsdp_version": engine,
+            },
             "max_steps": 4,
             "module": {**module, "batch_size": 4},
         }
@@ -117,6 +132,20 @@ def test_manual_optimization_matches_one_process(scenario):
     _assert_close_weights(got["weights"], ref["weights"])
     initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()
     assert _changed(initial["weights"], ref["weights"])
+
+
+def test_manual_optimization_on_fsdp2_may_call_a_submodule_directly(scenario):
+    # FSDP2 has no root-forward restriction: training_step calling self.net(x) trains like one process.
+    module = {"manual": True, "manual_bypass_root": True}
+    ref = scenario({"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}}).final()
+    got = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": 2},
+            "max_steps": 3,
+            "module": {**module, "batch_size": 4},
+        }
+    ).final()
+    _assert_close_weights(got["weights"], ref["weights"])
 
 
 def test_manual_optimization_calling_a_submodule_directly_is_a_clear_error(scenario):

@@ -26,9 +26,16 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
+def _named_parameters(model: Module) -> list[tuple[str, Any]]:
+    """Parameter names as state dicts spell them (no activation-checkpointing wrapper prefixes)."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return [(clean_tensor_name(name), p) for name, p in model.named_parameters()]
+
+
 def parameter_names(model: Module) -> list[str]:
     """Names of ``model.parameters()`` in order: the ids of a full optimizer state."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in _named_parameters(model)}
     return [names[id(p)] for p in model.parameters()]
 
 
@@ -87,7 +94,7 @@ def _keyed_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, 
 
 
 def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in _named_parameters(model)}
 
 
 def load_full(model: Module, state: Mapping[str, Any], strict: bool) -> None:
@@ -177,5 +184,5 @@ def local_layout(model: Module) -> list[dict[str, Any]]:
             "shape": list(p.shape),
             "placements": [str(pl) for pl in p.placements] if isinstance(p, DTensor) else [],
         }
-        for name, p in model.named_parameters()
+        for name, p in _named_parameters(model)
     ]
