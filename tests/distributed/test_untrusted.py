@@ -50,6 +50,8 @@ def test_crafted_checkpoints_are_refused_on_every_rank_before_the_payload_runs(r
 
 @pytest.mark.parametrize("name", ["full", "local_rank1_shard"])
 def test_weights_only_false_loads_them(results, name):
+    if f"trusted_{name}" not in results[0]:
+        pytest.skip("this Lightning's Trainer.fit has no weights_only argument")
     for outcome in (r[f"trusted_{name}"] for r in results):
         assert outcome["error"] is None
         assert outcome["step"] == 4
