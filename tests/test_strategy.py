@@ -162,3 +162,23 @@ def test_device_mesh_that_does_not_match_the_world_size_fails_before_launch():
     strategy = GaudiFSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=[2, 4])
     with pytest.raises(ValueError, match=r"device_mesh=\[2, 4\] has 8 devices but the world size is 2"):
         L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+
+
+def test_trainer_weights_only_is_read_from_the_running_trainer_call():
+    """Lightning 2.6 drops ``fit(..., weights_only=...)`` for strategies that restore after setup (FSDP); the strategy
+    reads it from ``Trainer._run``'s frame. This pins the shape that relies on."""
+    import inspect
+
+    from lightning_gaudi_fsdp.strategy import _fit_weights_only
+
+    trainer = object()
+
+    def _run(self: object, weights_only: bool | None) -> bool | None:  # the shape of Trainer._run
+        return _fit_weights_only(trainer)
+
+    assert _run(trainer, False) is False
+    assert _run(trainer, None) is None
+    assert _run(object(), False) is None  # another Trainer's call
+    assert _fit_weights_only(trainer) is None
+    if "weights_only" in inspect.signature(L.Trainer.fit).parameters:
+        assert "weights_only" in inspect.signature(L.Trainer._run).parameters

@@ -1,7 +1,8 @@
 """``lightning-gaudi-fsdp`` (also ``python -m lightning_gaudi_fsdp``): inspect, convert, doctor.
 
 Each command parses its arguments, calls library functions, prints, and returns an exit code: 0 on success, 1 when
-``doctor`` finds a blocking problem, 2 for a bad path, format or argument (one line on stderr).
+``doctor`` finds a blocking problem, 2 for a bad path, format or argument, or a checkpoint refused as unsafe (one line
+on stderr). ``inspect`` and ``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
 """
 
 from __future__ import annotations
@@ -35,10 +36,21 @@ def _table(rows: Sequence[tuple[str, str]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+def _trusting(args: argparse.Namespace, path: str) -> bool:
+    """Whether to read ``path`` with ``weights_only=False``; says so on stderr when it does."""
+    if args.trust_checkpoint:
+        print(
+            f"lightning-gaudi-fsdp {args.command}: --trust-checkpoint: reading {path} with weights_only=False; "
+            "any code pickled in it runs",
+            file=sys.stderr,
+        )
+    return bool(args.trust_checkpoint)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint.convert import describe
 
-    info = describe(args.path)
+    info = describe(args.path, weights_only=not _trusting(args, args.path))
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -63,7 +75,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint.convert import convert
 
-    notes = convert(args.src, args.dst, args.to, progress=_progress)
+    notes = convert(args.src, args.dst, args.to, progress=_progress, weights_only=not _trusting(args, args.src))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {args.to} checkpoint {args.dst}")
@@ -78,6 +90,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if all(c.ok or not c.blocking for c in checks) else 1
 
 
+def _add_trust_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint without restriction (weights_only=False): only for a source you trust, since "
+        "a checkpoint can run code when loaded. Without it, files needing more than tensors and plain values are "
+        "refused",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-gaudi-fsdp", description="Checkpoint tools and environment checks for Lightning FSDP on Gaudi."
@@ -86,11 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="describe a full, sharded or local checkpoint")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
+    _add_trust_flag(p)
     p.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("convert", help="convert a checkpoint offline (no process group, no device)")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["full", "sharded"])
+    _add_trust_flag(p)
     p.set_defaults(func=_cmd_convert)
     p = sub.add_parser("doctor", help="check this machine for FSDP on Gaudi (or a CPU rehearsal)")
     p.add_argument(

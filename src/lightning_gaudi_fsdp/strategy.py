@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import socket
 from collections.abc import Callable, Generator, Mapping
@@ -589,7 +590,13 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Check ``checkpoint_path`` on every rank, then load it. ``weights_only`` is the one given to
+        ``Trainer.fit/validate/test/predict(..., weights_only=...)`` (Lightning >= 2.6; see :func:`_fit_weights_only`):
+        ``None`` (torch's default) and ``True`` unpickle every file safely, ``False`` without restriction, for a
+        checkpoint whose source is trusted. Lightning 2.5 has no such argument: loading is always safe there."""
         model = self._wrapped_model()
+        if weights_only is None:
+            weights_only = _fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
         strict = self.lightning_module.strict_loading
         device_type = self.root_device.type
@@ -602,6 +609,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
                 rank=self.global_rank,
                 device_type=device_type,
                 strict=strict,
+                weights_only=weights_only is not False,
             )
         except formats.CheckpointError as err:
             error = err.problem
@@ -636,6 +644,24 @@ class GaudiFSDPStrategy(FSDPStrategy):
         for name in ("gaudi_fsdp", "hpu_fsdp"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
+
+
+def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
+    """The ``weights_only`` given to the running ``trainer.fit/validate/test/predict``, or None.
+
+    Lightning 2.6 passes it to ``Strategy.load_checkpoint`` only for strategies that restore before setup; for those
+    that restore after it (FSDP among them) ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)``
+    without it, so a user's ``weights_only=False`` would never arrive. It is read from that call's frame instead."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and trainer is not None:
+            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+                value = frame.f_locals.get("weights_only")
+                return value if isinstance(value, bool) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # no reference cycle through this frame
 
 
 @contextmanager

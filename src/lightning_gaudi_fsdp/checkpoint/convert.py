@@ -25,13 +25,13 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     SHARDED_METADATA,
     CheckpointError,
     _save_sharded,
-    _torch_load,
     detect_format,
     local_shard_name,
     optimizer_state_by_name,
     read_local_metadata,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
+from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T], str, int], Iterable[T]]
@@ -60,22 +60,23 @@ def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Format, writer's world size, parameter count and bytes, dtypes, optimizer presence, epoch/step, versions."""
+def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """Format, writer's world size, parameter count and bytes, dtypes, optimizer presence, epoch/step, versions.
+
+    ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     path = Path(path)
     fmt = detect_format(path)
     info: dict[str, Any] = {"path": str(path), "format": fmt}
     if fmt == "full":
-        ckpt = _torch_load(path, path, "the checkpoint file")
+        ckpt = load_file(path, path, "the checkpoint file", weights_only=weights_only)
         state = ckpt.get("state_dict", {})
         info.update(_tensor_summary(v for v in state.values() if isinstance(v, torch.Tensor)))
         info.update(world_size=None, optimizer=bool(ckpt.get("optimizer_states")), **_trainer_fields(ckpt))
     elif fmt == "sharded":
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = FileSystemReader(str(path)).read_metadata()
-        rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
+        metadata = storage_reader(path, weights_only=weights_only).read_metadata()
+        rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         model = {
             k: md
             for k, md in metadata.state_dict_metadata.items()
@@ -91,11 +92,11 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     else:
         meta = read_local_metadata(path)
-        rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
+        rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
         shapes = [(shape, entry["dtype"]) for entry in meta["flat_params"] for shape in entry["shapes"]]
         tensors = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in shapes]
         info.update(_tensor_summary(tensors))
-        shard0 = _torch_load(path / local_shard_name(0), path, "the shard of rank 0")
+        shard0 = load_file(path / local_shard_name(0), path, "the shard of rank 0", weights_only=weights_only)
         info.update(
             world_size=meta["world_size"],
             optimizer=bool(shard0.get("optimizer_states")),
@@ -108,28 +109,28 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_full_state(
-    path: str | os.PathLike[str], progress: Progress = _no_progress
+    path: str | os.PathLike[str], progress: Progress = _no_progress, *, weights_only: bool = True
 ) -> tuple[dict[str, Any], list[str]]:
-    """Any format as one full Lightning checkpoint dict in memory; returns it and notes about what was dropped."""
+    """Any format as one full Lightning checkpoint dict in memory; returns it and notes about what was dropped.
+
+    ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "full":
-        return _torch_load(path, path, "the checkpoint file"), []
+        return load_file(path, path, "the checkpoint file", weights_only=weights_only), []
     if fmt == "sharded":
-        return _sharded_to_full(path), []
-    return _local_to_full(path, progress)
+        return _sharded_to_full(path, weights_only), []
+    return _local_to_full(path, progress, weights_only)
 
 
-def _sharded_to_full(path: Path) -> dict[str, Any]:
+def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     # DCP's own offline reader (what dcp_to_torch_save uses), loading straight into tensors it allocates from the
     # metadata: one copy of the checkpoint in memory, no temporary file read back.
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
+    read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
     rest["state_dict"] = state.pop("model")
     optimizers = [state[k] for k in sorted(k for k in state if k.startswith("optimizer_"))]
@@ -138,14 +139,14 @@ def _sharded_to_full(path: Path) -> dict[str, Any]:
     return rest
 
 
-def _local_to_full(path: Path, progress: Progress) -> tuple[dict[str, Any], list[str]]:
+def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[dict[str, Any], list[str]]:
     meta = read_local_metadata(path)
-    rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
+    rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
     world_size = int(meta["world_size"])
     layout = meta["flat_params"]
     shards = []  # memory-mapped: the pages are read while assembling, one flat parameter at a time
     for rank in progress(range(world_size), "reading rank shards", world_size):
-        shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
+        shard = load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
         missing = [entry["key"] for entry in layout if entry["key"] not in shard["model"]]
         if missing:
             raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[0]!r}")
@@ -219,14 +220,17 @@ def convert(
     dst: str | os.PathLike[str],
     to: Literal["full", "sharded"],
     progress: Progress = _no_progress,
+    *,
+    weights_only: bool = True,
 ) -> list[str]:
-    """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete."""
+    """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete. ``src`` is unpickled
+    with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     src, dst = Path(src), Path(dst)
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
-    checkpoint, notes = load_full_state(src, progress)
+    checkpoint, notes = load_full_state(src, progress, weights_only=weights_only)
     staging = commit.prepare_staging(dst, directory=to == "sharded")
     try:
         if to == "full":

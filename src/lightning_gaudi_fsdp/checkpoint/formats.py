@@ -10,8 +10,8 @@
   flat-parameter layout, versions). Fastest to write; loads only at the same world size and wrapping.
 
 Every save is staged and committed atomically (see :mod:`.commit`); the marker file of a directory format is written
-last. Checking and loading live in :mod:`.loading`. This module knows nothing about Lightning or Gaudi: callers pass
-the model, optimizers, rank and a barrier.
+last. Checking and loading live in :mod:`.loading`, reading files safely in :mod:`.trust`. This module knows nothing
+about Lightning or Gaudi: callers pass the model, optimizers, rank and a barrier.
 """
 
 from __future__ import annotations
@@ -289,12 +289,3 @@ def read_local_metadata(path: Path) -> dict[str, Any]:
         return json.loads((path / LOCAL_METADATA).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(path, f"{LOCAL_METADATA} is unreadable ({err})") from err
-
-
-def _torch_load(file: Path, where: Path, what: str, weights_only: bool = False) -> Any:
-    if not file.is_file():
-        raise CheckpointError(where, f"{what} is missing ({file.name})")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
-    except Exception as err:
-        raise CheckpointError(where, f"{what} ({file.name}) is damaged or truncated: {err}") from err

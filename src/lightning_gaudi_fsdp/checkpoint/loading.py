@@ -22,13 +22,13 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     SHARDED_METADATA,
     CheckpointError,
     CheckpointFormat,
-    _torch_load,
     detect_format,
     local_shard_name,
     read_local_metadata,
     state_dict_context,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
+from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
 from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
 
@@ -69,13 +69,15 @@ def check_state_keys(
         raise CheckpointError(path, "it was written for another model: " + "; ".join(problems))
 
 
-def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool) -> Any:
-    """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
+def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool, weights_only: bool = True) -> Any:
+    """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata. With
+    ``weights_only``, every non-tensor entry is also unpickled safely (they are small)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = storage_reader(path, weights_only=weights_only).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(path, f"the distributed-checkpoint metadata (.metadata) is unreadable: {err}") from err
     for info in metadata.storage_data.values():
@@ -84,6 +86,8 @@ def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool) -> A
             raise CheckpointError(path, f"shard file {info.relative_path!r} is missing")
         if file.stat().st_size < info.offset + info.length:
             raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
+    if weights_only:
+        check_distributed_entries(path, metadata)
     saved = {
         key.removeprefix("model."): tuple(md.size)
         for key, md in metadata.state_dict_metadata.items()
@@ -138,13 +142,22 @@ class PendingLoad:
     model_state: dict[str, Any] = field(default_factory=dict)
     optimizer_states: list[Any] | None = None
     dcp_metadata: Any = None
+    weights_only: bool = True
 
 
 def check_load(
-    path: str | os.PathLike[str], model: Module, *, world_size: int, rank: int, device_type: str, strict: bool
+    path: str | os.PathLike[str],
+    model: Module,
+    *,
+    world_size: int,
+    rank: int,
+    device_type: str,
+    strict: bool,
+    weights_only: bool = True,
 ) -> PendingLoad:
     """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
-    Raises :class:`CheckpointError`; nothing in ``model`` is changed.
+    Raises :class:`CheckpointError`; nothing in ``model`` is changed. Every file is unpickled with ``weights_only``
+    (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted.
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
@@ -157,26 +170,27 @@ def check_load(
         with state_dict_context(model, fmt, device_type):
             current = model.state_dict()
     if fmt == "full":
-        checkpoint = _torch_load(path, path, "the checkpoint file")
+        checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             raise CheckpointError(path, "it has no 'state_dict' entry; it is not a Lightning checkpoint")
         state = checkpoint.pop("state_dict")
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         check_state_keys(path, saved, expected_full_shapes(model), strict)
-        return PendingLoad(fmt, path, checkpoint, state, checkpoint.pop("optimizer_states", None))
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only)
     if fmt == "sharded":
-        rest = _torch_load(path / SHARDED_METADATA, path, "the trainer state")
-        metadata = check_sharded(path, current, strict)
-        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata)
+        rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
+        metadata = check_sharded(path, current, strict, weights_only)
+        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only)
     check_local(path, model, world_size, rank)
-    rest = _torch_load(path / LOCAL_TRAINER_STATE, path, "the trainer state")
-    shard = _torch_load(path / local_shard_name(rank), path, f"the shard of rank {rank}")
+    rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+    shard = load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
     missing = [k for k in current if (engine2 or k.endswith(FLAT_PARAM)) and k not in shard["model"]]
     if missing:
         raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")
-    return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"))
+    return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
 
 
 def apply_load(
@@ -219,7 +233,7 @@ def _apply_fsdp2_load(
         import torch.distributed.checkpoint as dcp
 
         state = {"model": pending.model_state}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
         fsdp2_state.load_sharded(model, state["model"], strict)
     else:
         fsdp2_state.load_local(model, pending.model_state)
@@ -256,7 +270,7 @@ def _load_sharded_fsdp2_optimizers(pending: PendingLoad, model: Module, optimize
                 optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
             continue
         state = {key: fsdp2_state.sharded_template(model, optimizer)}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
         fsdp2_state.load_sharded_optimizer(model, optimizer, state[key])
 
 
@@ -303,11 +317,11 @@ def _load_sharded(
     groups = pending.rest.pop(OPTIMIZER_GROUPS_KEY, [])
     with state_dict_context(model, "sharded", device_type):
         state = {"model": pending.model_state}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
         model.load_state_dict(state["model"], strict=strict)
         if not load_optimizers or not any(k.startswith("optimizer_") for k in keys):
-            return  # a weights-only checkpoint
-        reader = dcp.FileSystemReader(str(path))
+            return  # a checkpoint without optimizer state
+        reader = storage_reader(path, weights_only=pending.weights_only)
         for idx, optimizer in enumerate(optimizers):
             key = f"optimizer_{idx}"
             if not any(k.startswith(f"{key}.") for k in keys):

@@ -1,0 +1,263 @@
+"""Reading checkpoint files without running code from them: the one place where checkpoints are unpickled.
+
+A checkpoint is a pickle, and unpickling can call any function the file names. Every read here is therefore safe by
+default (``weights_only=True``):
+
+- ``torch.save`` files (a full checkpoint, ``meta.pt``, ``trainer_state.pt``, rank shards) load with torch's
+  ``weights_only`` unpickler, which builds tensors, containers and plain values and refuses everything else;
+- the distributed-checkpoint ``.metadata`` file, which torch reads with plain ``pickle.load``, is read here with an
+  unpickler that only builds torch's own metadata records;
+- the small non-tensor entries of a distributed checkpoint (optimizer hyper-parameters), which torch's planner loads
+  with ``weights_only=False``, are unpickled with ``weights_only=True`` first and refused if that fails.
+
+Beyond torch's own allowlist, exactly the types in :func:`allowed_globals` are allowed, through torch's safe-globals
+mechanism. A refused checkpoint raises :class:`UnsafeCheckpointError` naming the file, the blocked types and the ways
+to allow them; nothing in the file has run. ``weights_only=False`` (``Trainer.fit(..., weights_only=False)``, the
+CLI's ``--trust-checkpoint``) reads the files as torch and Lightning always did, for a source the user trusts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import io
+import os
+import pathlib
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError
+
+TRUST_HINT = (
+    "Only if you trust where it came from: allow just those types with torch.serialization.add_safe_globals([...]), "
+    "or load the checkpoint unrestricted with Trainer.fit(..., weights_only=False) or "
+    "`lightning-gaudi-fsdp inspect|convert --trust-checkpoint`, which runs whatever code it contains"
+)
+_DCP_METADATA = ".metadata"
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that needs more than safe unpickling; nothing in it was run."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str, file: str, blocked: list[str], detail: str) -> None:
+        if blocked:
+            problem = f"{what} ({file}) needs {', '.join(blocked)}, which safe loading (weights_only=True) refuses"
+        else:
+            problem = f"{what} ({file}) cannot be loaded safely (weights_only=True): {detail}"
+        super().__init__(path, f"{problem}; nothing in it was run. {TRUST_HINT}")
+        self.file = file
+        self.blocked = blocked
+
+
+# ---------------------------------------------------------------------------------------------------- allowlist
+@functools.cache
+def allowed_globals() -> tuple[Any, ...]:
+    """What safe loading allows beyond torch's own ``weights_only`` allowlist, in ``add_safe_globals`` form.
+
+    Lightning's own entries (loops, callbacks, schedulers, precision plugin) and this package's need nothing more.
+    Hyper-parameters from ``save_hyperparameters`` do when they hold paths (``pathlib.PosixPath``,
+    ``pathlib.PurePosixPath``: a path is built from its string parts) or numpy numeric scalars (``np.float64(0.1)``:
+    numpy's ``scalar`` reconstructor, ``numpy.dtype`` and the dtype classes of bool, integer, float and complex
+    numbers). Names written by other Python and numpy versions (``pathlib._local``, ``numpy.core``) map to the same
+    objects. Enums and other classes of your own are not allowed: add them with
+    ``torch.serialization.add_safe_globals``, which every read here honours."""
+    return _path_globals() + _numpy_scalar_globals()
+
+
+def _path_globals() -> tuple[Any, ...]:
+    classes = (pathlib.PosixPath, pathlib.PurePosixPath)
+    return tuple((cls, f"{module}.{cls.__name__}") for cls in classes for module in ("pathlib", "pathlib._local"))
+
+
+def _numpy_scalar_globals() -> tuple[Any, ...]:
+    try:
+        import numpy as np
+    except ImportError:
+        return ()
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import scalar
+    numeric = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+    numeric += [np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128, np.clongdouble]
+    return (
+        *((scalar, f"{module}.multiarray.scalar") for module in ("numpy.core", "numpy._core")),
+        np.dtype,
+        *dict.fromkeys(type(np.dtype(t)) for t in numeric),  # a dtype's class: only ever built, never named
+    )
+
+
+@contextmanager
+def _allowed() -> Iterator[None]:
+    # Only what the user has not allowed already: leaving the context removes what it added.
+    present = torch.serialization.get_safe_globals()
+    added = [g for g in allowed_globals() if g not in present]
+    with torch.serialization.safe_globals(added):
+        yield
+
+
+# ----------------------------------------------------------------------------------------------- torch.save files
+def load_file(file: Path, where: Path, what: str, *, weights_only: bool = True) -> Any:
+    """``torch.load`` of one file of the checkpoint at ``where`` (memory-mapped, on the CPU); ``what`` names the file's
+    role in messages. Raises :class:`CheckpointError` when it is missing or damaged, :class:`UnsafeCheckpointError`
+    when it needs more than safe loading."""
+    if not file.is_file():
+        raise CheckpointError(where, f"{what} is missing ({file.name})")
+    try:
+        if not weights_only:
+            return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+        with _allowed():
+            try:
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as err:
+                raise UnsafeCheckpointError(where, what, file.name, _blocked(file), _detail(err)) from None
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(where, f"{what} ({file.name}) is damaged or truncated: {err}") from err
+
+
+def _blocked(file: IO[bytes] | Path) -> list[str]:
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:  # not a torch.save archive: the unpickler's own message says what failed
+        return []
+
+
+def _detail(err: BaseException) -> str:
+    text = str(err)
+    marker = "WeightsUnpickler error:"
+    return text[text.index(marker) + len(marker) :].strip() if marker in text else text.strip()
+
+
+def _check_bytes(data: io.BytesIO, where: Path, what: str, file: str) -> None:
+    """Unpickle one in-memory ``torch.save`` payload with ``weights_only=True`` (and throw the result away)."""
+    with _allowed():
+        try:
+            torch.load(data, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            data.seek(0)
+            raise UnsafeCheckpointError(where, what, file, _blocked(data), _detail(err)) from None
+    data.seek(0)
+
+
+# ------------------------------------------------------------------------------------------ distributed checkpoint
+def storage_reader(path: Path, *, weights_only: bool = True) -> FileSystemReader:
+    """torch's reader of a distributed checkpoint; with ``weights_only``, one that unpickles nothing unsafe."""
+    return _SafeFileSystemReader(path) if weights_only else FileSystemReader(path)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds torch's distributed-checkpoint metadata records (dataclasses and enums of
+    ``torch.distributed.checkpoint.metadata``, ``_StorageInfo``, sizes, dtypes, layouts, paths) and nothing else.
+    The module of a refused name is never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _metadata_global(module, name)
+        if found is None:
+            raise _Refused(f"{module}.{name}")
+        return found
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    if module == "torch.distributed.checkpoint.metadata":
+        from torch.distributed.checkpoint import metadata
+
+        found = getattr(metadata, name, None)
+        is_record = isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
+        return found if is_record else None
+    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
+    if module == "torch":
+        found = getattr(torch, name, None)
+        return found if found is torch.Size or isinstance(found, torch.dtype | torch.memory_format) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout
+    full_name = f"{module}.{name}"
+    for entry in (*_path_globals(), *torch.serialization.get_safe_globals()):  # the user's allowlist counts too
+        found, entry_name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        if entry_name == full_name:
+            return found
+    return None
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = _DCP_METADATA if rank is None else f"__{rank}{_DCP_METADATA}"
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            try:
+                metadata = _MetadataUnpickler(stream).load()
+            except _Refused as err:
+                what = "the distributed-checkpoint metadata"
+                raise UnsafeCheckpointError(Path(self.path), what, name, [str(err)], "") from None
+        # as torch's own reader does
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(plan, _CheckedBytes(planner, self))
+
+
+class _CheckedBytes:
+    """A load planner whose ``load_bytes`` first proves the entry loads with ``weights_only=True``; torch's planner then
+    unpickles the same bytes (with ``weights_only=False``), which can only name the globals just allowed."""
+
+    def __init__(self, planner: Any, reader: _SafeFileSystemReader) -> None:
+        self._planner = planner
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        file = self._reader.storage_data[read_item.storage_index].relative_path
+        what = f"the distributed-checkpoint entry {read_item.dest_index.fqn!r}"
+        _check_bytes(value, Path(self._reader.path), what, file)
+        self._planner.load_bytes(read_item, value)
+
+
+def read_distributed(path: Path, state: dict[str, Any], planner: Any, *, weights_only: bool = True) -> None:
+    """Read a distributed checkpoint into ``state`` in this process alone (no collectives), through
+    :func:`storage_reader`. A refusal or damage surfaces as :class:`CheckpointError`, not wrapped by torch."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = storage_reader(path, weights_only=weights_only)
+    reader.read_metadata()  # a refusal of the metadata raised here, not folded into torch's fallbacks
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as err:
+        for failure in err.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+        raise CheckpointError(path, f"the distributed checkpoint could not be read: {err}") from None
+
+
+def check_distributed_entries(path: Path, metadata: Any) -> None:
+    """Unpickle every non-tensor entry of a distributed checkpoint (optimizer hyper-parameters, a few bytes each)
+    with ``weights_only=True``, so that a refusal comes before any weight changes."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    if keys:
+        read_distributed(path, {}, _EmptyStateDictLoadPlanner(keys=keys))
