@@ -126,9 +126,11 @@ def run_script(
 
 
 class ScenarioPool:
-    """The pytest side of ``_pool.py``: one server per test session (restarted if it dies), one scenario at a time."""
+    """The pytest side of ``_pool.py``: one server per test session (restarted if it dies), one scenario at a time.
+    ``env``: variables added to the server's environment (``SCENARIO_POOL_GRACE_S``), not to the ranks'."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = env or {}
         self.proc: subprocess.Popen[str] | None = None
 
     def _read(self, timeout: float) -> dict[str, Any] | None:
@@ -147,17 +149,19 @@ class ScenarioPool:
     def _ensure(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"scenario-pool-{os.getpid()}.log", "a")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parent / "_pool.py")],
-            cwd=SCENARIOS,
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,
-        )
+        self.close()  # a server that died between scenarios: reap it and release its pipes
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"scenario-pool-{os.getpid()}.log"
+        with open(log_path, "a") as log:  # the server keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "_pool.py")],
+                cwd=SCENARIOS,
+                env={**_env(), **self.env},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
         if self._read(timeout=300) is None:
             self.close()
             pytest.fail("the scenario pool did not start within 300 s")
@@ -166,6 +170,9 @@ class ScenarioPool:
         if self.proc is not None:
             _kill_leftovers(self.proc.pid)
             self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()  # type: ignore[union-attr]
             self.proc = None
 
     def run(
@@ -185,6 +192,7 @@ class ScenarioPool:
             "env": _env(),
             "logs": str(logs),
         }
+        started: dict[str, Any] | None = None
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -197,6 +205,8 @@ class ScenarioPool:
                 self._read(timeout=30)
                 pytest.fail(f"scenario {name} hung for more than {timeout}s:\n{_logs(logs, nprocs)}")
         except (EOFError, OSError, ValueError) as err:
+            if started is not None:
+                _kill_leftovers(started["pgid"])  # ranks the dead server can no longer stop or reap
             self.close()  # the next scenario gets a fresh pool
             pytest.fail(
                 f"the scenario pool failed while running {name} ({err}); it was replaced:\n{_logs(logs, nprocs)}"

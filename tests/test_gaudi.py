@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -180,6 +181,70 @@ def test_doctor_on_a_cpu_machine_for_hpu_says_why(capsys):
     _drop_fake_modules()
     assert main(["doctor", "--accelerator", "hpu"]) == 1
     assert "fix: Habana bridge: run inside Intel's Gaudi PyTorch container" in capsys.readouterr().out
+
+
+PAIRING_FIX = (
+    "fix: torch + Lightning: use torch >= 2.6 (Gaudi software 1.21 or newer; on Gaudi keep the container's torch) "
+    "with `pip install 'lightning>=2.5.1,<2.7'`; the README's support table lists what CI tests"
+)
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "lightning_version", "line", "fix"),
+    [
+        pytest.param(
+            "2.6.0+cpu",
+            "2.5.1",
+            "[ok  ] torch + Lightning  Gaudi software 1.21's torch; "
+            "CI: representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)",
+            None,
+            id="tested-pairing",
+        ),
+        pytest.param(
+            "2.5.1",
+            "2.5.1",
+            "[warn] torch + Lightning  torch 2.5.1 is older than the supported 2.6 (Gaudi software 1.21)",
+            PAIRING_FIX,
+            id="torch-too-old",
+        ),
+        pytest.param(
+            "2.13.0",
+            "2.7.0",
+            "[warn] torch + Lightning  Lightning 2.7.0 is outside the supported range >=2.5.1,<2.7",
+            PAIRING_FIX,
+            id="lightning-outside-range",
+        ),
+        pytest.param(
+            "2.15.0",
+            "2.6.6",
+            "[ok  ] torch + Lightning  newer than the newest tested torch (2.13); expected to work",
+            None,
+            id="torch-newer-than-tested",
+        ),
+    ],
+)
+def test_doctor_reports_the_torch_lightning_pairing(monkeypatch, capsys, torch_version, lightning_version, line, fix):
+    """The pairing line never blocks: outside the tested pairings doctor warns, says what to do and still exits 0."""
+    from lightning_gaudi_fsdp import _doctor, _report
+    from lightning_gaudi_fsdp.cli import main
+
+    _drop_fake_modules()
+    monkeypatch.setattr(
+        _report,
+        "versions",
+        lambda: {"torch": torch_version, "lightning": lightning_version, "lightning-gaudi-fsdp": "0.1.0"},
+    )
+    check = _doctor._pairing(torch_version, lightning_version)
+    assert _doctor.render([check]).splitlines()[0] == line
+
+    assert main(["doctor", "--accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    # In the full report the name column is padded to the longest check name.
+    status, _, value = line.partition(" torch + Lightning  ")
+    assert re.search(rf"^{re.escape(status)} torch \+ Lightning +{re.escape(value)}$", out, re.MULTILINE), out
+    fixes = [text for text in out.splitlines() if text.startswith("fix: ")]
+    assert fixes == ([fix] if fix else [])
+    assert "This machine can run GaudiFSDPStrategy with accelerator='cpu'." in out
 
 
 def test_importing_the_package_never_imports_habana_frameworks():

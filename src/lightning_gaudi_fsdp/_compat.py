@@ -12,9 +12,17 @@ import os
 from typing import Any
 
 import torch
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
-TORCH_VERSION = Version(torch.__version__.split("+")[0])
+
+def _release(version: str) -> Version:
+    """The release a version string names, as Lightning compares torch (``use_base_version``): a local build
+    (``2.6.0+hpu...``) or pre-release (``2.7.0a0+git...``) counts as its release."""
+    return Version(Version(version).base_version)
+
+
+TORCH_VERSION = _release(torch.__version__)
 MIN_TORCH = Version("2.6")
 # dcp.save(..., no_dist=...) appeared in torch 2.7; torch 2.6 decides it from whether a process group exists.
 TORCH_GREATER_EQUAL_2_7 = Version("2.7") <= TORCH_VERSION
@@ -28,7 +36,7 @@ FSDP2_FORCE_SUM_REDUCTION = Version("2.8") <= TORCH_VERSION
 # (torch minor, Lightning version Intel pairs with it or None, Gaudi software release or None, what CI tests there)
 SUPPORTED_PAIRINGS: tuple[tuple[str, str | None, str | None, str], ...] = (
     ("2.6", "2.5.1", "1.21", "representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)"),
-    ("2.7", None, "1.22", "not run in CI (between the tested 2.6 and 2.9)"),
+    ("2.7", None, "1.22", "not run (between the tested 2.6 and 2.9)"),
     ("2.9", "2.6.6", "1.23", "representative suite (torch 2.9.1 + Lightning 2.6.6)"),
     ("2.13", "2.6.6", None, "full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)"),
 )
@@ -40,21 +48,26 @@ def torch_minor(version: Version = TORCH_VERSION) -> str:
 
 
 def check_pairing(torch_version: str, lightning_version: str) -> tuple[bool, str]:
-    """Whether ``torch_version`` + ``lightning_version`` is within what the package supports, and a sentence."""
-    torch_v = Version(torch_version.split("+")[0])
-    minor = torch_minor(torch_v)
+    """Whether ``torch_version`` + ``lightning_version`` is within what the package supports, and a sentence: which
+    tested pairing it is, or what is outside the range."""
     try:
-        lightning_v = Version(lightning_version)
-    except ValueError:
-        return False, f"Lightning version {lightning_version!r} cannot be read"
+        torch_v, lightning_v = _release(torch_version), Version(lightning_version)
+    except InvalidVersion as err:
+        return False, f"cannot read the versions (torch {torch_version!r}, Lightning {lightning_version!r}): {err}"
     if torch_v < MIN_TORCH:
         return False, f"torch {torch_version} is older than the supported {MIN_TORCH} (Gaudi software 1.21)"
-    if not Version("2.5.1") <= lightning_v < Version("2.7"):
-        return False, f"Lightning {lightning_version} is outside the supported range {' '.join(LIGHTNING_RANGE)}"
-    for pair_minor, _lightning, gaudi_release, tested in SUPPORTED_PAIRINGS:
+    if not SpecifierSet(",".join(LIGHTNING_RANGE)).contains(lightning_v, prereleases=True):
+        return False, f"Lightning {lightning_version} is outside the supported range {','.join(LIGHTNING_RANGE)}"
+    minor = torch_minor(torch_v)
+    for pair_minor, pair_lightning, gaudi_release, tested in SUPPORTED_PAIRINGS:
         if pair_minor == minor:
             where = f"Gaudi software {gaudi_release}'s torch; " if gaudi_release else ""
-            return True, f"{where}{tested}"
+            if pair_lightning in (None, lightning_version):
+                return True, f"{where}CI: {tested}"
+            return True, (
+                f"{where}CI tests torch {minor} only with Lightning {pair_lightning}; "
+                f"Lightning {lightning_version} is within the supported range"
+            )
     newest = Version(SUPPORTED_PAIRINGS[-1][0])
     if torch_v > newest:
         return True, f"newer than the newest tested torch ({newest}); expected to work"

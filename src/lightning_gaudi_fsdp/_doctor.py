@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
-from lightning_gaudi_fsdp import _report, gaudi
+from lightning_gaudi_fsdp import _compat, _report, gaudi
 
 
 @dataclass
@@ -35,6 +35,20 @@ def _lightning_habana() -> Check:
     return Check("lightning-habana", f"{version} (imports; its HPUAccelerator is accepted)")
 
 
+def _pairing(torch_version: str, lightning_version: str) -> Check:
+    """Not blocking: a pairing outside the tested ones may still work, and on Gaudi torch comes from the container."""
+    ok, sentence = _compat.check_pairing(torch_version, lightning_version)
+    oldest = _compat.SUPPORTED_PAIRINGS[0]
+    lightning = ",".join(_compat.LIGHTNING_RANGE)
+    return Check(
+        "torch + Lightning",
+        sentence,
+        ok=ok,
+        fix=f"use torch >= {_compat.MIN_TORCH} (Gaudi software {oldest[2]} or newer; on Gaudi keep the container's "
+        f"torch) with `pip install 'lightning{lightning}'`; the README's support table lists what CI tests",
+    )
+
+
 def run_checks(accelerator: str = "auto") -> list[Check]:
     import torch
     import torch.distributed
@@ -47,6 +61,7 @@ def run_checks(accelerator: str = "auto") -> list[Check]:
         Check("target accelerator", target),
         Check("torch", versions["torch"]),
         Check("lightning", versions["lightning"]),
+        _pairing(versions["torch"], versions["lightning"]),
         Check("lightning-gaudi-fsdp", versions["lightning-gaudi-fsdp"]),
         _lightning_habana(),
         Check(
