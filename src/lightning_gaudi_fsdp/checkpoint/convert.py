@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit
+from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -26,10 +26,12 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointError,
     _save_sharded,
     _torch_load,
+    bytes_to_write,
     detect_format,
     local_shard_name,
     optimizer_state_by_name,
     read_local_metadata,
+    save_file,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
 
@@ -219,30 +221,31 @@ def convert(
     dst: str | os.PathLike[str],
     to: Literal["full", "sharded"],
     progress: Progress = _no_progress,
+    check_free_space: bool | None = None,
 ) -> list[str]:
-    """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete."""
+    """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete. A write that
+    fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
+    :func:`~.storage.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
     src, dst = Path(src), Path(dst)
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
     checkpoint, notes = load_full_state(src, progress)
-    staging = commit.prepare_staging(dst, directory=to == "sharded")
-    try:
-        if to == "full":
-            torch.save(checkpoint, staging)
-        else:
-            _write_sharded_from_full(checkpoint, staging, notes)
-        commit.commit(staging, dst)
-    except BaseException:
-        commit.discard(dst)
-        raise
+    staging = commit.staging_path(dst)
+    if to == "full":
+        write = lambda: save_file(checkpoint, staging)  # noqa: E731
+    else:
+        checkpoint = _sharded_from_full(checkpoint, notes)
+        write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
+    needed = bytes_to_write(to, checkpoint, rank=0)
+    storage.write_atomically(dst, [write], directory=to == "sharded", needed=needed, check_free_space=check_free_space)
     return notes
 
 
-def _write_sharded_from_full(checkpoint: dict[str, Any], staging: Path, notes: list[str]) -> None:
-    """A single-process DCP save of the model and of the optimizer state, both keyed by parameter name; DCP
-    reshards them on load to any world size."""
+def _sharded_from_full(checkpoint: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The checkpoint for a single-process DCP save of the model and of the optimizer state, both keyed by parameter
+    name; DCP reshards them on load to any world size."""
     checkpoint = dict(checkpoint)
     names = checkpoint.pop(PARAM_ID_NAMES_KEY, None)
     optimizer_states = checkpoint.pop("optimizer_states", None) or []
@@ -261,4 +264,4 @@ def _write_sharded_from_full(checkpoint: dict[str, Any], staging: Path, notes: l
         checkpoint["optimizer_states"] = by_name
     if notes:
         checkpoint["conversion_notes"] = list(notes)
-    _save_sharded(checkpoint, staging, rank=0, no_dist=True)
+    return checkpoint
