@@ -193,14 +193,14 @@ def test_a_healthy_rank_raises_the_failed_ranks_cause_and_rank_0_cleans_up_after
 
     def gather(obj):
         seen.append(commit.staging_path(path).exists())
-        result, reports = obj
-        return [obj, (None, [theirs])] if reports == [] and result is None else [obj, obj]
+        # preparing: rank 1 plans like rank 0; writing: rank 1's write failed
+        return [obj, obj] if len(seen) == 1 else [obj, (None, [theirs])]
 
     def write() -> None:
         (commit.staging_path(path) / "rank_00000.pt").write_bytes(b"ok")
 
     with pytest.raises(CheckpointSaveError) as info:
-        storage.write_atomically(path, [write], directory=True, needed=0, gather=gather)
+        storage.write_atomically(path, [write], directory=True, needed=lambda: 0, gather=gather)
     assert str(info.value).startswith(f"Cannot save checkpoint '{path}': rank 1 failed while writing: no space left")
     assert info.value.__cause__ is None  # nothing failed here
     assert seen == [True, True]  # the staging location still existed while the ranks exchanged their outcome
@@ -217,7 +217,23 @@ def test_a_distributed_checkpoint_error_is_charged_to_the_rank_that_raised_it(tm
         raise CheckpointException({1: (OSError(errno.EROFS, "Read-only file system"), None)})
 
     with pytest.raises(CheckpointSaveError, match=r"rank 1 failed while writing: .* is a read-only file system"):
-        storage.write_atomically(tmp_path / "x.ckpt", [write], directory=True, needed=0, gather=lambda o: [o, o])
+        storage.write_atomically(
+            tmp_path / "x.ckpt", [write], directory=True, needed=lambda: 0, gather=lambda o: [o, o]
+        )
+
+
+def test_when_a_peer_is_lost_during_the_exchange_this_ranks_own_failure_is_still_logged(tmp_path, caplog):
+    def gather(obj):
+        if obj[1]:  # the write step, after this rank's own failure
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+        return [obj, obj]
+
+    def write() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        storage.write_atomically(tmp_path / "x.ckpt", [write], directory=True, needed=lambda: 0, gather=gather)
+    assert "failed while writing: OSError: [Errno 28] No space left on device" in caplog.text
 
 
 def test_commit_puts_the_previous_checkpoint_back_when_the_rename_fails(tmp_path, monkeypatch):

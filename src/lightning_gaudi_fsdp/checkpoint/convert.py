@@ -238,8 +238,13 @@ def convert(
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
         write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
-    needed = bytes_to_write(to, checkpoint, rank=0)
-    storage.write_atomically(dst, [write], directory=to == "sharded", needed=needed, check_free_space=check_free_space)
+    storage.write_atomically(
+        dst,
+        [write],
+        directory=to == "sharded",
+        needed=lambda: bytes_to_write(to, checkpoint, rank=0),
+        check_free_space=check_free_space,
+    )
     return notes
 
 

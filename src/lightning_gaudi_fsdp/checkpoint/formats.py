@@ -212,7 +212,7 @@ def save(
         path,
         writes,
         directory=directory,
-        needed=bytes_to_write(fmt, checkpoint, rank, local_metadata),
+        needed=lambda: bytes_to_write(fmt, checkpoint, rank, local_metadata),
         check_free_space=check_free_space,
         rank=rank,
         gather=gather,

@@ -290,13 +290,13 @@ class _Attempt:
         self.plans: list[Plan] = []
         self.world_size: int | None = None
 
-    def prepare(self, before: Callable[[], None] | None, needed: int, check: bool) -> None:
+    def prepare(self, before: Callable[[], None] | None, needed: Callable[[], int], check: bool) -> None:
         def plan() -> Plan:
             if self.rank == 0:
                 if before is not None:
                     before()
                 commit.prepare_staging(self.path, self.directory)
-            return Plan(self.rank, probe(self.path.parent), needed, check)
+            return Plan(self.rank, probe(self.path.parent), needed(), check)
 
         self.plans = self.step("failed while preparing", plan)
         if self.plans[0].check:  # rank 0 decides, so every rank takes the same branch
@@ -340,7 +340,10 @@ class _Attempt:
         raise CheckpointSaveError(self.path, failures, self.world_size) from error
 
     def describe(self, rank: int, error: BaseException, stage: str) -> Failure:
-        cause, advice = self._cause(error, staging_made=stage != "failed while preparing")
+        try:
+            cause, advice = self._cause(error, staging_made=stage != "failed while preparing")
+        except Exception:  # noqa: BLE001 - looking at a broken target must not keep this rank from reporting
+            cause, advice = "", ""
         shown = _os_error_in(error) or error  # "[Errno 28] No space left on device", not torch's "unexpected pos"
         return Failure(rank, stage, cause, _first_line(shown), advice or "see the error chained on the failed rank")
 
@@ -362,8 +365,8 @@ class _Attempt:
             target = os_error.filename if os_error is not None and os_error.filename else where
             return (
                 f"permission denied for {str(target)!r}",
-                f"make {str(where.parent if self.directory else where)!r} writable for this user (and not immutable: "
-                "lsattr/chattr -i) or save elsewhere",
+                f"make {str(self.path.parent)!r} writable for this user (and not immutable: lsattr/chattr -i) or "
+                "save elsewhere",
             )
         if code not in (None, errno.ENOENT):
             return "", ""
@@ -399,15 +402,16 @@ def write_atomically(
     writes: Sequence[Callable[[], None]],
     *,
     directory: bool,
-    needed: int,
+    needed: Callable[[], int],
     check_free_space: bool | None = None,
     rank: int = 0,
     gather: Gather = _alone,
     before: Callable[[], None] | None = None,
 ) -> Path:
     """Save to ``path`` through its staging location; every rank calls this with its own ``writes`` (run in order,
-    the ranks agreeing after each) and the ``needed`` bytes it is about to write. ``gather`` is an all-gather of
-    Python objects (one process: the default). ``before`` runs on rank 0 before the staging location is prepared.
+    the ranks agreeing after each) and ``needed``, which estimates the bytes those writes take. ``gather`` is an
+    all-gather of Python objects (one process: the default). ``before`` runs on rank 0 before the staging location
+    is prepared.
 
     Raises :class:`CheckpointSaveError` on every rank if any rank's step failed, or before any write if free space
     is short (unless the check is off, see :func:`check_free_space_enabled`)."""
