@@ -280,6 +280,31 @@ def scenario(tmp_path: Path):
     return run
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """``small_tmpfs("8m")`` mounts a tmpfs of that size under ``tmp_path`` (unmounted afterwards): a disk that fills
+    up for real. Skips where mounting is not permitted (it needs root or CAP_SYS_ADMIN)."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        try:
+            proc = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+            )
+        except FileNotFoundError:
+            pytest.skip("no mount command here to make a small tmpfs")
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "--lazy", str(where)], capture_output=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``hpu`` need a real Gaudi; elsewhere they skip with one line saying so."""
     from lightning_gaudi_fsdp import gaudi

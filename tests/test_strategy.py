@@ -22,6 +22,7 @@ def test_defaults_are_resolved_without_touching_devices():
     assert strategy.kwargs["use_orig_params"] is True
     assert strategy.kwargs["limit_all_gathers"] is True
     assert strategy._state_dict_type == "full"
+    assert strategy._check_free_space is None  # the environment decides, at each save
     assert strategy.parallel_devices is None  # nothing probed at construction
 
 
@@ -78,6 +79,7 @@ def test_yaml_spellings_become_torch_objects():
         ({"mixed_precision": {"param_dtype": "bfloat8"}}, ValueError, r"mixed_precision\['param_dtype'\]='bfloat8'"),
         ({"device_mesh": [2, 2]}, ValueError, "only applies to hybrid sharding"),
         ({"cpu_offload": "no"}, TypeError, "cpu_offload must be True or False, got str 'no'"),
+        ({"check_free_space": "no"}, TypeError, "check_free_space must be True or False, got str 'no'"),
     ],
 )
 def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, match):

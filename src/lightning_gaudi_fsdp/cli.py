@@ -22,15 +22,6 @@ def _progress(items: Iterable[T], description: str, total: int) -> Iterable[T]:
     return tqdm(items, desc=description, total=total, unit="step", file=sys.stderr, leave=False)
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{n} B"
-
-
 def _table(rows: Sequence[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -49,6 +40,7 @@ def _trusting(args: argparse.Namespace, path: str) -> bool:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint.convert import describe
+    from lightning_gaudi_fsdp.checkpoint.storage import human_bytes
 
     info = describe(args.path, weights_only=not _trusting(args, args.path))
     if args.json:
@@ -59,7 +51,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("format", info["format"]),
         ("world size (writer)", "any (full file)" if info["world_size"] is None else str(info["world_size"])),
         ("parameters", f"{info['parameters']:,}"),
-        ("bytes", _human_bytes(info["bytes"])),
+        ("bytes", human_bytes(info["bytes"])),
         ("dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["dtypes"].items()) or "-"),
         ("optimizer state", "yes" if info["optimizer"] else "no"),
         ("epoch / step", f"{info['epoch']} / {info['global_step']}"),
@@ -131,6 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
         print(f"lightning-gaudi-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -76,7 +76,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
         limit_all_gathers: rate-limit all-gathers to bound device memory (default ``True``).
         use_orig_params: expose the original parameters to the optimizer (default ``True``).
         state_dict_type: checkpoint format written by saves: ``"full"`` (default), ``"sharded"`` or ``"local"``.
-            Loading picks the format from what is on disk.
+            Loading picks the format from what is on disk. A save that fails on any rank (full disk, read-only or
+            vanished directory, permission) raises ``CheckpointSaveError`` on every rank, naming the checkpoint,
+            the failed ranks and the cause; nothing is committed.
         activation_checkpointing_policy: module classes, dotted class paths or a ``(module) -> bool`` callable.
         compile: ``True`` or a dict of ``torch.compile`` arguments compiles each FSDP unit
             (``hpu_backend`` on Gaudi, ``aot_eager`` on CPU unless ``backend`` is given).
@@ -87,6 +89,10 @@ class GaudiFSDPStrategy(FSDPStrategy):
         fsdp_version: ``1`` (default) shards with torch's ``FullyShardedDataParallel`` (flat parameters);
             ``2`` with ``fully_shard`` (one DTensor per parameter). The same arguments apply to both; a value that
             has no FSDP2 meaning is refused here with what FSDP2 does instead (README: "The FSDP2 engine").
+        check_free_space: before each save, compare the bytes every rank is about to write with the free space of
+            its file system and refuse the save before anything is written when it is short. ``None`` (default)
+            reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
+            systems that report free space wrongly.
     """
 
     strategy_name = "gaudi_fsdp"
@@ -120,6 +126,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         compile: bool | dict[str, Any] = False,
         eager_pipeline: bool | None = None,
         fsdp_version: int = 1,
+        check_free_space: bool | None = None,
     ) -> None:
         sharding = options.resolve_sharding_strategy(sharding_strategy)
         wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
@@ -181,6 +188,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
         )
         self._keep_batch_dtypes = options.keeps_batch_dtypes(mixed_precision)
+        self._check_free_space = (
+            None if check_free_space is None else options.resolve_bool(check_free_space, "check_free_space")
+        )
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
@@ -584,8 +594,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
             path,
             rank=self.global_rank,
             world_size=self.world_size,
-            barrier=self.barrier,
+            gather=self._gather_objects,
             local_metadata=metadata,
+            check_free_space=self._check_free_space,
         )
 
     @override

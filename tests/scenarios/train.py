@@ -201,10 +201,11 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def counting_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, str | Path) and ".partial" in str(f):
+        target = getattr(f, "name", f)  # checkpoint files are written through an open file
+        if isinstance(target, str | Path) and ".partial" in str(target):
             calls["n"] += 1
             if calls["n"] == nth:
-                die_midway(f)
+                die_midway(target)
         return real_save(obj, f, *args, **kwargs)
 
     def counting_dcp_save(state: Any, *args: Any, checkpoint_id: Any = None, **kwargs: Any) -> Any:

@@ -8,9 +8,12 @@ about state-dict formats.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
@@ -62,19 +65,30 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def commit(staging: Path, path: str | os.PathLike[str]) -> Path:
-    """Make ``staging`` visible as ``path``; the previous content of ``path`` is replaced only once the new is in."""
+    """Make ``staging`` visible as ``path``; the previous content of ``path`` is replaced only once the new is in.
+
+    Either it raises and ``path`` holds what it held before, or the new content is in place: failing to delete the
+    replaced content or to flush the parent directory afterwards is logged, not raised."""
     path = Path(path)
     fsync_tree(staging)
+    old = _old_path(path)
     if staging.is_file() and not path.is_dir():
         os.replace(staging, path)
     else:
-        old = _old_path(path)
         _remove(old)
         if path.exists() or path.is_symlink():
             os.replace(path, old)
-        os.replace(staging, path)
+        try:
+            os.replace(staging, path)
+        except OSError:
+            if old.exists() and not path.exists():
+                os.replace(old, path)
+            raise
+    try:
         _remove(old)
-    _fsync_dir(path.parent)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        log.warning(f"checkpoint {str(path)!r} is committed, but tidying up after it failed: {err}")
     return path
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit
+from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -25,10 +25,12 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     SHARDED_METADATA,
     CheckpointError,
     _save_sharded,
+    bytes_to_write,
     detect_format,
     local_shard_name,
     optimizer_state_by_name,
     read_local_metadata,
+    save_file,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
@@ -222,31 +224,37 @@ def convert(
     progress: Progress = _no_progress,
     *,
     weights_only: bool = True,
+    check_free_space: bool | None = None,
 ) -> list[str]:
     """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete. ``src`` is unpickled
-    with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
+    with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. A write that
+    fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
+    :func:`~.storage.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
     src, dst = Path(src), Path(dst)
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
     checkpoint, notes = load_full_state(src, progress, weights_only=weights_only)
-    staging = commit.prepare_staging(dst, directory=to == "sharded")
-    try:
-        if to == "full":
-            torch.save(checkpoint, staging)
-        else:
-            _write_sharded_from_full(checkpoint, staging, notes)
-        commit.commit(staging, dst)
-    except BaseException:
-        commit.discard(dst)
-        raise
+    staging = commit.staging_path(dst)
+    if to == "full":
+        write = lambda: save_file(checkpoint, staging)  # noqa: E731
+    else:
+        checkpoint = _sharded_from_full(checkpoint, notes)
+        write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
+    storage.write_atomically(
+        dst,
+        [write],
+        directory=to == "sharded",
+        needed=lambda: bytes_to_write(to, checkpoint, rank=0),
+        check_free_space=check_free_space,
+    )
     return notes
 
 
-def _write_sharded_from_full(checkpoint: dict[str, Any], staging: Path, notes: list[str]) -> None:
-    """A single-process DCP save of the model and of the optimizer state, both keyed by parameter name; DCP
-    reshards them on load to any world size."""
+def _sharded_from_full(checkpoint: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The checkpoint for a single-process DCP save of the model and of the optimizer state, both keyed by parameter
+    name; DCP reshards them on load to any world size."""
     checkpoint = dict(checkpoint)
     names = checkpoint.pop(PARAM_ID_NAMES_KEY, None)
     optimizer_states = checkpoint.pop("optimizer_states", None) or []
@@ -265,4 +273,4 @@ def _write_sharded_from_full(checkpoint: dict[str, Any], staging: Path, notes: l
         checkpoint["optimizer_states"] = by_name
     if notes:
         checkpoint["conversion_notes"] = list(notes)
-    _save_sharded(checkpoint, staging, rank=0, no_dist=True)
+    return checkpoint

@@ -10,15 +10,16 @@
   flat-parameter layout, versions). Fastest to write; loads only at the same world size and wrapping.
 
 Every save is staged and committed atomically (see :mod:`.commit`); the marker file of a directory format is written
-last. Checking and loading live in :mod:`.loading`, reading files safely in :mod:`.trust`. This module knows nothing
-about Lightning or Gaudi: callers pass the model, optimizers, rank and a barrier.
+last. A save that fails on any rank fails on every rank with its cause (see :mod:`.storage`). Checking and loading
+live in :mod:`.loading`, reading files safely in :mod:`.trust`. This module knows nothing about Lightning or Gaudi:
+callers pass the model, optimizers, rank and an all-gather.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
-from lightning_gaudi_fsdp.checkpoint import commit
+from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
@@ -183,37 +184,71 @@ def save(
     *,
     rank: int,
     world_size: int,
-    barrier: Callable[[], None],
+    gather: storage.Gather,
     local_metadata: Mapping[str, Any] | None = None,
+    check_free_space: bool | None = None,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
-    Every rank calls this. Nothing appears under ``path`` unless every rank finished writing."""
+    Every rank calls this; ``gather`` is an all-gather of Python objects. Nothing appears under ``path`` unless every
+    rank finished writing. If any rank fails, or free space is short before anything is written, every rank raises
+    the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`)."""
     path = Path(path)
     directory = fmt != "full"
-    if rank == 0:
+    staging = commit.staging_path(path)
+    model_state, optimizer_states, rest = _split_state(checkpoint)
+
+    def refuse_non_checkpoint_directory() -> None:
         if path.is_dir() and not directory and detect_format_or_none(path) is None:
             raise IsADirectoryError(f"Refusing to replace directory {str(path)!r} (not a checkpoint) with a file")
-        commit.prepare_staging(path, directory)
-    barrier()
-    staging = commit.staging_path(path)
-    try:
-        if fmt == "full":
-            if rank == 0:
-                torch.save(checkpoint, staging)
-        elif fmt == "sharded":
-            _save_sharded(checkpoint, staging, rank)
-        else:
-            _save_local(checkpoint, staging, rank, world_size, local_metadata or {}, barrier)
-    except BaseException:
-        if rank == 0:
-            commit.discard(path)
-        raise
-    barrier()
+
+    if fmt == "full":
+        writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
+    elif fmt == "sharded":
+        writes = [lambda: _save_sharded(checkpoint, staging, rank)]
+    else:
+        shard = {"model": model_state, "optimizer_states": optimizer_states}
+        meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size}
+        meta.update(local_metadata or {})
+        writes = [
+            lambda: save_file(shard, staging / local_shard_name(rank)),
+            lambda: _finish_local(rest, staging, world_size, meta) if rank == 0 else None,
+        ]
+    return storage.write_atomically(
+        path,
+        writes,
+        directory=directory,
+        needed=lambda: bytes_to_write(fmt, checkpoint, rank, local_metadata),
+        check_free_space=check_free_space,
+        rank=rank,
+        gather=gather,
+        before=refuse_non_checkpoint_directory,
+    )
+
+
+def bytes_to_write(
+    fmt: CheckpointFormat, checkpoint: dict[str, Any], rank: int, local_metadata: Mapping[str, Any] | None = None
+) -> int:
+    """About how many bytes ``rank`` writes when saving ``checkpoint`` in ``fmt`` (rank 0 also writes what is not
+    sharded)."""
+    if fmt == "full":
+        return storage.estimate_bytes(checkpoint) if rank == 0 else 0
+    model_state, optimizer_states, rest = _split_state(checkpoint)
+    if fmt == "sharded":
+        own = storage.estimate_bytes(_dcp_state(model_state, optimizer_states), tensors="elements")
+    else:
+        own = storage.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
     if rank == 0:
-        commit.commit(staging, path)
-    barrier()
-    return path
+        own += storage.estimate_bytes(rest) + len(json.dumps(dict(local_metadata or {}), default=str))
+    return own
+
+
+def save_file(obj: Any, file: Path) -> None:
+    """``torch.save`` through a Python file: a failed write then carries its errno (``ENOSPC``...) and the file is
+    closed at once; with a path, torch's own writer reports only "unexpected pos" and keeps the file open, and its
+    space allocated, for as long as the exception lives."""
+    with open(file, "wb") as handle:
+        torch.save(obj, handle)
 
 
 def detect_format_or_none(path: Path) -> CheckpointFormat | None:
@@ -230,37 +265,30 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any],
     return model_state, optimizer_states, rest
 
 
+def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+    return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
+
+
 def _save_sharded(checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False) -> None:
     """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
     them on load like any other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
-    state = {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
+    state = _dcp_state(model_state, optimizer_states)
     _compat.dcp_save(state, staging, no_dist=no_dist)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
-        torch.save(rest, staging / SHARDED_METADATA)
+        save_file(rest, staging / SHARDED_METADATA)
 
 
-def _save_local(
-    checkpoint: dict[str, Any],
-    staging: Path,
-    rank: int,
-    world_size: int,
-    metadata: Mapping[str, Any],
-    barrier: Callable[[], None],
-) -> None:
-    model_state, optimizer_states, rest = _split_state(checkpoint)
-    torch.save({"model": model_state, "optimizer_states": optimizer_states}, staging / local_shard_name(rank))
-    barrier()
-    if rank == 0:
-        torch.save(rest, staging / LOCAL_TRAINER_STATE)
-        missing = [r for r in range(world_size) if not (staging / local_shard_name(r)).is_file()]
-        if missing:
-            raise RuntimeError(f"local checkpoint: shards of ranks {missing} were not written to {staging}")
-        meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size, **metadata}
-        # The marker is written last: a directory without it is never taken for a checkpoint.
-        (staging / LOCAL_METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True))
+def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Mapping[str, Any]) -> None:
+    """Rank 0, once every rank wrote its shard: the trainer state, then the marker that makes it a checkpoint."""
+    save_file(rest, staging / LOCAL_TRAINER_STATE)
+    missing = [r for r in range(world_size) if not (staging / local_shard_name(r)).is_file()]
+    if missing:
+        raise RuntimeError(f"local checkpoint: shards of ranks {missing} were not written to {staging}")
+    # The marker is written last: a directory without it is never taken for a checkpoint.
+    (staging / LOCAL_METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
 def local_metadata(

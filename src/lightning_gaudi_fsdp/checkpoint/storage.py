@@ -1,0 +1,424 @@
+"""Saving safely onto real storage: free space before a save, and the cause of a failed write on every rank.
+
+:func:`write_atomically` runs a save in steps: prepare the staging location, write (one or more steps), commit. After
+each step the ranks tell each other whether, and why, their part failed; then every rank raises the same
+:class:`CheckpointSaveError`, naming the checkpoint, the failed ranks and the cause in plain words ("no space left on
+/scratch: needed about 4.2 MiB, 1.1 MiB free", a read-only file system, a permission, a directory that vanished), with
+the rank's own exception chained. Rank 0 removes the staging location only after that exchange, when no rank writes
+into it any more, so clean-up never causes a second error that hides the first.
+
+Before anything is written, every rank reports the bytes it is about to write and the free space of its target file
+system; a file system that cannot hold what its ranks write refuses the save. ``check_free_space=False`` on the
+strategy (or ``convert``), or ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE=0``, turns that check off for file systems that
+report free space wrongly. Nothing here knows state-dict formats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import pickle
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_gaudi_fsdp.checkpoint import commit
+
+log = logging.getLogger(__name__)
+
+CHECK_FREE_SPACE_ENV = "LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE"
+# Per tensor: zip record headers, alignment and rebuild arguments ("storage", torch.save); torch's distributed
+# checkpoint writes each tensor as its own small torch.save archive plus its metadata entry ("elements").
+_PER_TENSOR_BYTES = {"storage": 256, "elements": 2048}
+_PER_FILE_BYTES = 4096  # zip or DCP framing, and the last partly used block of the file
+_FULL_BELOW_BYTES = 64 * 1024  # after a write failed without an errno, a file system with less free is taken as full
+
+Gather = Callable[[Any], list[Any]]
+
+
+def check_free_space_enabled(explicit: bool | None = None) -> bool:
+    """Whether a save compares its size with the free space first. Precedence: ``explicit`` (the ``check_free_space``
+    argument of the strategy or of ``convert``), then ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0``, ``false``,
+    ``no`` or ``off`` turn the check off), then on."""
+    if explicit is not None:
+        return explicit
+    return os.environ.get(CHECK_FREE_SPACE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ------------------------------------------------------------------------------------------------ size estimate
+class _ByteCounter:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.count += size
+        return size
+
+
+def _local_tensors(value: Any) -> list[torch.Tensor] | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    if hasattr(value, "local_shards"):  # ShardedTensor: this rank's shards
+        return [shard.tensor for shard in value.local_shards()]
+    if hasattr(value, "to_local"):  # DTensor
+        return [value.to_local()]
+    return [value]
+
+
+def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage") -> int:
+    """About how many bytes saving ``obj`` writes. ``"storage"``: as ``torch.save`` (each tensor's whole storage, once
+    per storage); ``"elements"``: as torch's distributed checkpoint (each tensor's own elements; a sharded or
+    distributed tensor counts its local part). Everything else is measured by pickling it with the tensors left out."""
+    seen: set[tuple[int, int]] = set()
+    totals = {"bytes": 0, "tensors": 0}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            local = _local_tensors(value)
+            if local is None:
+                return None
+            for tensor in local:
+                totals["tensors"] += 1
+                if tensor.is_meta:
+                    continue
+                if tensors == "elements":
+                    totals["bytes"] += tensor.numel() * tensor.element_size()
+                    continue
+                storage = tensor.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key not in seen:
+                    seen.add(key)
+                    totals["bytes"] += storage.nbytes()
+            return totals["tensors"]
+
+    sink = _ByteCounter()
+    with contextlib.suppress(Exception):  # what cannot be pickled fails in the save itself, with its own message
+        _Pickler(sink, protocol=2).dump(obj)
+    return sink.count + totals["bytes"] + totals["tensors"] * _PER_TENSOR_BYTES[tensors] + _PER_FILE_BYTES
+
+
+# ------------------------------------------------------------------------------------------------ file systems
+@dataclass(frozen=True)
+class Target:
+    """The file system a rank writes to, as that rank sees it before the save."""
+
+    host: str
+    device: int
+    mount: str
+    free: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank is about to write, and where."""
+
+    rank: int
+    target: Target
+    needed: int
+    check: bool
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _mount_point(path: Path) -> Path:
+    path = _nearest_existing(path)
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _free_bytes(path: Path) -> int:
+    vfs = os.statvfs(_nearest_existing(path))
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+
+
+def probe(path: Path) -> Target:
+    """The file system holding ``path`` (or its nearest existing parent): node, device, mount point, free bytes."""
+    existing = _nearest_existing(path)
+    return Target(socket.gethostname(), os.stat(existing).st_dev, str(_mount_point(existing)), _free_bytes(existing))
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def _same_file_system(plans: Sequence[Plan], target: Target) -> list[Plan]:
+    return [p for p in plans if (p.target.host, p.target.device) == (target.host, target.device)]
+
+
+def _no_space(mount: str, needed: int | None, free: int | None) -> str:
+    if needed is None or free is None:
+        return f"no space left on {mount}"
+    return f"no space left on {mount}: needed about {human_bytes(needed)}, {human_bytes(free)} free"
+
+
+def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
+    """Refusals, one per writing rank, for each file system whose free space is less than its ranks will write."""
+    failures: list[Failure] = []
+    done: set[tuple[str, int]] = set()
+    for plan in plans:
+        key = (plan.target.host, plan.target.device)
+        if key in done:
+            continue
+        done.add(key)
+        group = _same_file_system(plans, plan.target)
+        needed, free = sum(p.needed for p in group), min(p.target.free for p in group)
+        if needed <= free:
+            continue
+        mount = plan.target.mount
+        advice = (
+            f"free space on {mount} or save elsewhere; if this file system reports its free space wrongly, pass "
+            f"check_free_space=False (strategy or convert) or set {CHECK_FREE_SPACE_ENV}=0"
+        )
+        cause = _no_space(mount, needed, free)
+        failures += [Failure(p.rank, "refused before writing", cause, "", advice) for p in group if p.needed]
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+@dataclass(frozen=True)
+class Failure:
+    """Why one rank's part of a save failed: ``cause`` in plain words ("" when unknown), ``error`` the exception's
+    first line, ``advice`` what to do."""
+
+    rank: int
+    stage: str
+    cause: str
+    error: str
+    advice: str
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def save_error_message(path: Path, failures: Sequence[Failure], world_size: int | None = None) -> str:
+    """One message for every rank: each cause once, with the ranks it hit (none named when one process saved)."""
+    groups: dict[tuple[str, str], list[Failure]] = {}
+    for failure in sorted(failures, key=lambda f: f.rank):
+        groups.setdefault((failure.stage, failure.cause), []).append(failure)
+    parts = []
+    for (stage, cause), members in groups.items():
+        errors = list(dict.fromkeys(f.error for f in members if f.error))
+        text = "; ".join(errors) or "unknown error"
+        if cause:
+            text = cause + (f" ({text})" if errors else "")
+        who = "" if world_size == 1 else _ranks([f.rank for f in members]) + " "
+        parts.append(f"{who}{stage}: {text}")
+    advice = "; ".join(dict.fromkeys(f.advice for f in failures if f.advice))
+    return (
+        f"Cannot save checkpoint {str(path)!r}: {'; '.join(parts)}. Nothing was committed: a checkpoint already under "
+        f"this name is unchanged. To do: {advice}."
+    )
+
+
+class CheckpointSaveError(OSError):
+    """A save that failed: raised on every rank with the same message (path, failed ranks, causes, what to do); on a
+    rank whose own write failed, that exception is chained."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], failures: Sequence[Failure], world_size: int | None = None
+    ) -> None:
+        super().__init__(save_error_message(Path(path), failures, world_size))
+        self.path = Path(path)
+        self.failures = list(failures)
+        self.world_size = world_size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.failures, self.world_size)
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first ``OSError`` with an errno in ``error``'s chain (torch's writers wrap it in a ``RuntimeError``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        todo += [current.__cause__, current.__context__]
+    return None
+
+
+def _raised_by(error: BaseException, rank: int) -> list[tuple[int, BaseException]]:
+    """The ranks that raised ``error``: torch's distributed checkpoint raises one exception on every rank that
+    carries each failed rank's own (``CheckpointException.failures``: rank -> (exception, traceback))."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        found = [(r, e[0] if isinstance(e, tuple) else e) for r, e in failures.items()]
+        return [(int(r), e) for r, e in found if isinstance(e, BaseException)] or [(rank, error)]
+    return [(rank, error)]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+# ------------------------------------------------------------------------------------------------ the protocol
+class _Attempt:
+    def __init__(self, path: Path, *, directory: bool, rank: int, gather: Gather) -> None:
+        self.path = path
+        self.staging = commit.staging_path(path)
+        self.directory = directory
+        self.rank = rank
+        self.gather = gather
+        self.plans: list[Plan] = []
+        self.world_size: int | None = None
+
+    def prepare(self, before: Callable[[], None] | None, needed: Callable[[], int], check: bool) -> None:
+        def plan() -> Plan:
+            if self.rank == 0:
+                if before is not None:
+                    before()
+                commit.prepare_staging(self.path, self.directory)
+            return Plan(self.rank, probe(self.path.parent), needed(), check)
+
+        self.plans = self.step("failed while preparing", plan)
+        if self.plans[0].check:  # rank 0 decides, so every rank takes the same branch
+            refused = shortfalls(self.plans)
+            if refused:
+                self.fail(refused, None)
+
+    def step(self, stage: str, action: Callable[[], Any]) -> list[Any]:
+        """Run ``action``, then learn every rank's outcome; if any failed, every rank raises the same error."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = action()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # torch's distributed checkpoint raises a BaseException (CheckpointException)
+            error = err
+        reports = [self.describe(r, e, stage) for r, e in _raised_by(error, self.rank)] if error is not None else []
+        try:
+            gathered = self.gather((result, reports))
+        except BaseException:
+            if error is not None:  # a lost peer; keep this rank's own failure in the output
+                log.error(f"[rank {self.rank}] saving {str(self.path)!r} {stage}: {_first_line(error)}")
+            raise
+        self.world_size = len(gathered)
+        failures: dict[int, Failure] = {}
+        for reporter, (_, reported) in enumerate(gathered):
+            for failure in reported:  # a rank's account of its own failure wins over another rank's
+                if failure.rank not in failures or failure.rank == reporter:
+                    failures[failure.rank] = failure
+        if failures:
+            self.fail(list(failures.values()), error)
+        return [res for res, _ in gathered]
+
+    def fail(self, failures: list[Failure], error: BaseException | None) -> None:
+        if self.rank == 0:
+            try:
+                commit.discard(self.path)
+            except OSError as err:  # e.g. on a file system that turned read-only; the first error is what matters
+                log.warning(f"could not remove the staging location {str(self.staging)!r}: {err}")
+        raise CheckpointSaveError(self.path, failures, self.world_size) from error
+
+    def describe(self, rank: int, error: BaseException, stage: str) -> Failure:
+        try:
+            cause, advice = self._cause(error, staging_made=stage != "failed while preparing")
+        except Exception:  # noqa: BLE001 - looking at a broken target must not keep this rank from reporting
+            cause, advice = "", ""
+        shown = _os_error_in(error) or error  # "[Errno 28] No space left on device", not torch's "unexpected pos"
+        return Failure(rank, stage, cause, _first_line(shown), advice or "see the error chained on the failed rank")
+
+    def _cause(self, error: BaseException, staging_made: bool) -> tuple[str, str]:
+        own = next((p for p in self.plans if p.rank == self.rank), None)
+        where = self.staging if self.directory else self.path.parent
+        mount = own.target.mount if own else str(_mount_point(where))
+        needed = sum(p.needed for p in _same_file_system(self.plans, own.target)) if own else None
+        space = (_no_space(mount, needed, own.target.free if own else None), f"free space on {mount} or save elsewhere")
+        read_only = (f"{mount} is a read-only file system", f"remount {mount} read-write or save elsewhere")
+        gone = self._vanished(staging_made)
+        os_error = _os_error_in(error)
+        code = os_error.errno if os_error is not None else None
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return space
+        if code == errno.EROFS:
+            return read_only
+        if code in (errno.EACCES, errno.EPERM):
+            target = os_error.filename if os_error is not None and os_error.filename else where
+            return (
+                f"permission denied for {str(target)!r}",
+                f"make {str(self.path.parent)!r} writable for this user (and not immutable: lsattr/chattr -i) or "
+                "save elsewhere",
+            )
+        if code not in (None, errno.ENOENT):
+            return "", ""
+        if gone is not None:
+            return gone
+        if code is None:  # torch's file writer reports no errno ("unexpected pos ..."): look at the target itself
+            if _read_only(where):
+                return read_only
+            if not os.access(_nearest_existing(where), os.W_OK):
+                return f"permission denied for {str(where)!r}", f"make {str(where)!r} writable or save elsewhere"
+            if _free_bytes(where) < max(own.needed if own else 0, _FULL_BELOW_BYTES):
+                return space
+        return "", ""
+
+    def _vanished(self, staging_made: bool) -> tuple[str, str] | None:
+        advice = (
+            "keep the checkpoint directory in place while training runs (a clean-up job, or another run sharing the "
+            "directory, may have removed it)"
+        )
+        if not self.path.parent.exists():
+            return f"directory {str(self.path.parent)!r} no longer exists", advice
+        if staging_made and self.directory and not self.staging.exists():
+            return f"the staging directory {str(self.staging)!r} was removed during the save", advice
+        return None
+
+
+def _alone(obj: Any) -> list[Any]:
+    return [obj]
+
+
+def write_atomically(
+    path: str | os.PathLike[str],
+    writes: Sequence[Callable[[], None]],
+    *,
+    directory: bool,
+    needed: Callable[[], int],
+    check_free_space: bool | None = None,
+    rank: int = 0,
+    gather: Gather = _alone,
+    before: Callable[[], None] | None = None,
+) -> Path:
+    """Save to ``path`` through its staging location; every rank calls this with its own ``writes`` (run in order,
+    the ranks agreeing after each) and ``needed``, which estimates the bytes those writes take. ``gather`` is an
+    all-gather of Python objects (one process: the default). ``before`` runs on rank 0 before the staging location
+    is prepared.
+
+    Raises :class:`CheckpointSaveError` on every rank if any rank's step failed, or before any write if free space
+    is short (unless the check is off, see :func:`check_free_space_enabled`)."""
+    path = Path(path)
+    attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
+    attempt.prepare(before, needed, check_free_space_enabled(check_free_space))
+    for write in writes:
+        attempt.step("failed while writing", write)
+    attempt.step("failed while committing", lambda: commit.commit(attempt.staging, path) if rank == 0 else None)
+    return path
