@@ -254,3 +254,28 @@ def test_importing_the_package_never_imports_habana_frameworks():
     env = {**os.environ, "PYTHONPATH": str(FAKES)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_reductions_on_hccl_use_only_the_ops_hccl_offers(scenario):
+    """Over the double's hccl (gloo underneath, refusing AVG as HCCL does): FSDP2's default reduce-scatter and
+    Lightning's mean are refused; the strategy's mean and FSDP2 with the forced SUM reduction give the right values."""
+    run = scenario({"devices": 2}, script="hccl_reductions.py")
+    for rank in (0, 1):
+        info = run.rank(rank)
+        assert info["backend"] == "hccl"
+        assert info["avg_refused"] is True  # the double really refuses AVG
+        assert info["lightning_mean_refused"] is True
+        assert info["strategy_mean"] == 1.5
+        assert info["strategy_sum"] == 3.0
+        if info["force_sum_available"]:
+            assert info["fsdp2_default_refused"] is True
+            assert info["fsdp2_sum_max_grad_error"] < 1e-6
+
+
+def test_fsdp2_on_a_torch_without_sum_reductions_is_refused_at_construction(monkeypatch):
+    from lightning_gaudi_fsdp import _compat
+
+    monkeypatch.setattr(_compat, "FSDP2_FORCE_SUM_REDUCTION", False)
+    with pytest.raises(ValueError, match=r"fsdp_version=2 needs torch >= 2.8 \(this is torch [\d.]+\): before 2.8"):
+        GaudiFSDPStrategy(fsdp_version=2)
+    GaudiFSDPStrategy(fsdp_version=1)  # FSDP1 reduces with SUM and divide factors: allowed on every torch

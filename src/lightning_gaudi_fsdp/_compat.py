@@ -26,10 +26,9 @@ TORCH_VERSION = _release(torch.__version__)
 MIN_TORCH = Version("2.6")
 # dcp.save(..., no_dist=...) appeared in torch 2.7; torch 2.6 decides it from whether a process group exists.
 TORCH_GREATER_EQUAL_2_7 = Version("2.7") <= TORCH_VERSION
-# fully_shard(..., ignored_params=...) appeared in torch 2.7.
-FSDP2_IGNORED_PARAMS = TORCH_GREATER_EQUAL_2_7
 # FSDPModule.set_force_sum_reduction_for_comms appeared in torch 2.8; before it, FSDP2 reduce-scatters fp32/bf16
-# gradients with AVG (or PREMUL_SUM), which HCCL does not offer.
+# gradients with AVG (or PREMUL_SUM), which HCCL does not offer, and its CPU streams lack record_event (2.6). The
+# FSDP2 engine (fsdp_version=2) therefore needs torch >= 2.8.
 FSDP2_FORCE_SUM_REDUCTION = Version("2.8") <= TORCH_VERSION
 
 # The pairings Intel ships and the ones CI runs; `doctor` compares the installed versions with these.

@@ -216,10 +216,18 @@ def check_fsdp2_arguments(
     backward_prefetch: BackwardPrefetch | None,
     limit_all_gathers: bool,
     use_orig_params: bool,
-    ignored: bool,
 ) -> None:
     """Arguments whose FSDP1 value has no FSDP2 counterpart fail here, before any process starts, naming what
-    FSDP2 does instead."""
+    FSDP2 does instead; so does a torch too old for the FSDP2 engine."""
+    from lightning_gaudi_fsdp import _compat
+
+    if not _compat.FSDP2_FORCE_SUM_REDUCTION:
+        raise ValueError(
+            f"fsdp_version=2 needs torch >= 2.8 (this is torch {_compat.TORCH_VERSION}): before 2.8 FSDP2 "
+            "reduce-scatters gradients with AVG or PREMUL_SUM, which HCCL does not offer (torch 2.8 added "
+            "set_force_sum_reduction_for_comms), and cannot run on CPU processes. Use fsdp_version=1 with this torch "
+            "(Gaudi software 1.21/1.22), or a container with torch >= 2.8"
+        )
     if sharding_strategy == ShardingStrategy.NO_SHARD:
         raise ValueError(
             "sharding_strategy='NO_SHARD' is not supported with fsdp_version=2: fully_shard always shards; use "
@@ -247,14 +255,6 @@ def check_fsdp2_arguments(
             "use_orig_params=False is not supported with fsdp_version=2: FSDP2 always exposes the original "
             "parameters (one DTensor each, no flat parameters); leave it True or use fsdp_version=1"
         )
-    if ignored:
-        from lightning_gaudi_fsdp import _compat
-
-        if not _compat.FSDP2_IGNORED_PARAMS:
-            raise ValueError(
-                f"ignored_modules/ignored_states need torch >= 2.7 with fsdp_version=2 (fully_shard has no "
-                f"ignored_params in torch {_compat.TORCH_VERSION}); use fsdp_version=1 on this torch"
-            )
 
 
 def keeps_batch_dtypes(value: object) -> bool:

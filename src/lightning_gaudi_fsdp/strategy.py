@@ -143,7 +143,6 @@ class GaudiFSDPStrategy(FSDPStrategy):
                 backward_prefetch=prefetch,
                 limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
                 use_orig_params=options.resolve_bool(use_orig_params, "use_orig_params"),
-                ignored=ignored_modules is not None or ignored_states is not None,
             )
             self._mp_policy = options.resolve_mixed_precision_policy(mixed_precision)
         else:
@@ -270,6 +269,22 @@ class GaudiFSDPStrategy(FSDPStrategy):
         if message:
             exception.add_note(message)
             log.error(f"[rank {self.global_rank}] {message}")
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning sends ``ReduceOp.AVG`` for ``"mean"`` on every backend but gloo (``self.log(sync_dist=True)``
+        and ``strategy.reduce``); HCCL offers SUM, MIN and MAX only, so on ``hccl`` a mean is a sum divided by the
+        group's size."""
+        if (
+            isinstance(tensor, torch.Tensor)
+            and self.process_group_backend == "hccl"
+            and _is_mean(reduce_op)
+            and torch.distributed.is_initialized()
+        ):
+            summed = super().reduce(tensor, group=group, reduce_op="sum")
+            size = torch.distributed.get_world_size(group)
+            return summed.div_(size) if torch.is_floating_point(summed) else summed.copy_(summed / size)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def _check_mesh_size(self, world_size: int) -> None:
         if isinstance(self._device_mesh, tuple) and world_size:
@@ -772,3 +787,11 @@ def _ignored_parameters(ignored: Mapping[str, Any]) -> set[Parameter] | None:
     for item in items:
         params.update(item.parameters() if isinstance(item, Module) else [item])
     return params
+
+
+def _is_mean(reduce_op: Any) -> bool:
+    from torch.distributed import ReduceOp
+
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op == ReduceOp.AVG

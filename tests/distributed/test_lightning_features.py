@@ -134,6 +134,7 @@ def test_manual_optimization_matches_one_process(scenario, engine):
     assert _changed(initial["weights"], ref["weights"])
 
 
+@pytest.mark.fsdp2
 def test_manual_optimization_on_fsdp2_may_call_a_submodule_directly(scenario):
     # FSDP2 has no root-forward restriction: training_step calling self.net(x) trains like one process.
     module = {"manual": True, "manual_bypass_root": True}

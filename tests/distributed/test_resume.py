@@ -110,6 +110,7 @@ def _assert_close_nested(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+@pytest.mark.fsdp2
 @pytest.mark.versions
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 @pytest.mark.parametrize(("writer", "reader"), [(1, 2), (2, 1)])
