@@ -87,6 +87,61 @@ def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, 
         GaudiFSDPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fsdp_version": 3}, "fsdp_version=3 is not supported; expected one of '1', '2'"),
+        (
+            {"mixed_precision": {"output_dtype": "bf16"}},
+            r"mixed_precision\['output_dtype'\]='bf16' needs fsdp_version=2",
+        ),
+    ],
+)
+def test_engine_choice_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GaudiFSDPStrategy(**kwargs)
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sharding_strategy": "NO_SHARD"}, "sharding_strategy='NO_SHARD' is not supported with fsdp_version=2"),
+        ({"process_group": object()}, "process_group is not supported with fsdp_version=2: fully_shard takes a device"),
+        (
+            {"backward_prefetch": "backward_post"},
+            "backward_prefetch='BACKWARD_POST' is not supported with fsdp_version=2",
+        ),
+        ({"backward_prefetch": None}, "backward_prefetch=None is not supported with fsdp_version=2: FSDP2 always"),
+        ({"limit_all_gathers": False}, "limit_all_gathers=False is not supported with fsdp_version=2"),
+        ({"use_orig_params": False}, "use_orig_params=False is not supported with fsdp_version=2"),
+        ({"mixed_precision": {"buffer_dtype": "bf16"}}, r"mixed_precision\['buffer_dtype'\]='bf16' is not supported"),
+        (
+            {"mixed_precision": {"keep_low_precision_grads": True}},
+            r"mixed_precision\['keep_low_precision_grads'\]=True is not supported with fsdp_version=2",
+        ),
+    ],
+)
+def test_fsdp1_values_without_an_fsdp2_meaning_are_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GaudiFSDPStrategy(fsdp_version=2, **kwargs)
+
+
+@pytest.mark.fsdp2
+def test_fsdp2_mixed_precision_becomes_a_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    strategy = GaudiFSDPStrategy(
+        fsdp_version="2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32", "output_dtype": "fp32"}
+    )
+    assert strategy._fsdp_version == 2
+    assert strategy._mp_policy == MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=True
+    )
+    assert strategy._keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
+    assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
+
+
 def test_registered_names_build_our_strategy():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="gaudi_fsdp", logger=False)
     assert type(trainer.strategy) is GaudiFSDPStrategy

@@ -49,6 +49,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
+        ("engine (writer)", info["engine"]),
         ("world size (writer)", "any (full file)" if info["world_size"] is None else str(info["world_size"])),
         ("parameters", f"{info['parameters']:,}"),
         ("bytes", human_bytes(info["bytes"])),
@@ -58,7 +59,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("lightning", str(info.get("lightning_version"))),
     ]
     if info["format"] == "local":
-        rows += [("sharding strategy", str(info["sharding_strategy"])), ("FSDP units", str(info["fsdp_units"]))]
+        rows += [("sharding strategy", str(info["sharding_strategy"]))]
+        if info["fsdp_units"] is not None:
+            rows += [("FSDP units", str(info["fsdp_units"]))]
         rows += [(f"version {k}", v) for k, v in info["versions"].items()]
     print(_table(rows))
     return 0

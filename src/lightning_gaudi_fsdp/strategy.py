@@ -601,6 +601,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
                 _report.versions(),
                 self.optimizers if "optimizer_states" in checkpoint else (),
             )
+        checkpoint[formats.ENGINE_KEY] = self._fsdp_version
         if self._state_dict_type == "full" and checkpoint.get("optimizer_states"):
             checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(self._wrapped_model())
         formats.save(

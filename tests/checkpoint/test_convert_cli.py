@@ -56,6 +56,7 @@ def test_inspect_describes_each_format(saved, fmt):
     out = _cli("inspect", str(ckpt))
     assert out.returncode == 0, out.stderr
     assert re.search(rf"^format\s+{fmt}$", out.stdout, re.M)
+    assert re.search(r"^engine \(writer\)\s+FSDP1$", out.stdout, re.M)
     assert re.search(rf"^parameters\s+{PARAMS:,}$", out.stdout, re.M)
 
 

@@ -224,17 +224,23 @@ def test_checkpoints_cross_between_lightning_fsdp_strategy_and_ours(scenario, tm
 
 
 @pytest.mark.versions
-@pytest.mark.parametrize(("to", "use_orig_params"), [("sharded", True), ("full", False)])
-def test_local_checkpoint_converted_offline_resumes_exactly(scenario, tmp_path, uninterrupted, to, use_orig_params):
-    """The way to leave a local checkpoint: convert it (here to each target, each optimizer layout), then resume;
-    the optimizer state is joined from every rank's slices, so the run ends as if never stopped."""
-    from lightning_gaudi_fsdp.checkpoint.convert import convert
+@pytest.mark.parametrize(
+    ("to", "use_orig_params", "engine"), [("sharded", True, 1), ("full", False, 1), ("sharded", True, 2)]
+)
+def test_local_checkpoint_converted_offline_resumes_exactly(
+    scenario, tmp_path, uninterrupted, to, use_orig_params, engine
+):
+    """The way to leave a local checkpoint: convert it (here to each target, each optimizer layout, each engine),
+    then resume; the optimizer state is joined from every rank's slices, so the run ends as if never stopped."""
+    from lightning_gaudi_fsdp.checkpoint.convert import convert, describe
 
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "use_orig_params": use_orig_params}
+    strategy["fsdp_version"] = engine
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
     local, converted = tmp_path / "local", tmp_path / f"converted-{to}"
     scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, local)})
+    assert describe(local)["engine"] == f"FSDP{engine}"
     assert convert(local, converted, to) == []  # nothing dropped
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(converted)})
     _assert_same_run(resumed.final(), straight)

@@ -19,6 +19,7 @@ import torch
 
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
+    ENGINE_KEY,
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
@@ -55,7 +56,9 @@ def _tensor_summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
 
 
 def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
+    engine = rest.get(ENGINE_KEY)
     return {
+        "engine": f"FSDP{engine}" if engine in (1, 2) else "unknown (not written by lightning-gaudi-fsdp)",
         "epoch": rest.get("epoch"),
         "global_step": rest.get("global_step"),
         "lightning_version": rest.get("pytorch-lightning_version"),
@@ -95,7 +98,10 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
     else:
         meta = read_local_metadata(path)
         rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
-        shapes = [(shape, entry["dtype"]) for entry in meta["flat_params"] for shape in entry["shapes"]]
+        if meta.get("engine", 1) == 2:
+            shapes = [(entry["shape"], entry["dtype"]) for entry in meta["parameters"]]
+        else:
+            shapes = [(shape, entry["dtype"]) for entry in meta["flat_params"] for shape in entry["shapes"]]
         tensors = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in shapes]
         info.update(_tensor_summary(tensors))
         shard0 = load_file(path / local_shard_name(0), path, "the shard of rank 0", weights_only=weights_only)
@@ -103,7 +109,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
             world_size=meta["world_size"],
             optimizer=bool(shard0.get("optimizer_states")),
             sharding_strategy=meta.get("sharding_strategy"),
-            fsdp_units=len(meta.get("fsdp_units", [])),
+            fsdp_units=len(meta.get("fsdp_units", [])) if meta.get("engine", 1) == 1 else None,
             **_trainer_fields(rest),
         )
         info["versions"] = meta.get("versions", {})
@@ -144,6 +150,8 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
 def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[dict[str, Any], list[str]]:
     meta = read_local_metadata(path)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+    if meta.get("engine", 1) == 2:
+        return _fsdp2_local_to_full(path, meta, rest, progress, weights_only)
     world_size = int(meta["world_size"])
     layout = meta["flat_params"]
     shards = []  # memory-mapped: the pages are read while assembling, one flat parameter at a time
@@ -174,6 +182,48 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     if notes:
         rest["conversion_notes"] = notes
     return rest, notes
+
+
+def _fsdp2_local_to_full(
+    path: Path, meta: dict[str, Any], rest: dict[str, Any], progress: Progress, weights_only: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """An FSDP2 local checkpoint: each parameter (and per-element optimizer state) is the concatenation along dim 0
+    of the shards of the ranks of one replica, in rank order (the mesh's last dimension shards, ``torch.chunk``
+    style; with hybrid sharding the first replica's ranks are read)."""
+    layout = meta["parameters"]
+    shard_ranks = int(layout[0]["mesh"][-1]) if layout and layout[0].get("mesh") else int(meta["world_size"])
+    shards = [
+        load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
+        for rank in progress(range(shard_ranks), "reading rank shards", shard_ranks)
+    ]
+    names = [entry["name"] for entry in layout]
+    for rank, shard in enumerate(shards):
+        missing = [name for name in names if name not in shard["model"]]
+        if missing:
+            raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[0]!r}")
+    state = {k: v for k, v in shards[0]["model"].items() if k not in set(names)}  # buffers: whole on every rank
+    for name in names:
+        state[name] = torch.cat([shard["model"][name] for shard in shards], dim=0)
+    rest["state_dict"] = state
+    per_rank = [shard.get("optimizer_states") or [] for shard in shards]
+    optimizer_names = meta.get("optimizer_param_names") or []
+    if per_rank[0]:
+        rest["optimizer_states"] = [
+            _fsdp2_optimizer_to_full([states[i] for states in per_rank], optimizer_names[i])
+            for i in range(len(per_rank[0]))
+        ]
+    return rest, []
+
+
+def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    full: dict[str, dict[str, Any]] = {}
+    for pid, name in enumerate(names):
+        entries = [s["state"].get(pid, {}) for s in states]
+        for key, first in entries[0].items():
+            whole = first.dim() > 0 if isinstance(first, torch.Tensor) else False
+            full.setdefault(name, {})[key] = torch.cat([e[key] for e in entries], dim=0) if whole else first
+    groups = [{**g, "params": [names[pid] for pid in g["params"]]} for g in states[0]["param_groups"]]
+    return {"state": full, "param_groups": groups}
 
 
 def _join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -174,15 +174,17 @@ def _as_shard_of(param: Any, value: Any) -> Any:
 
 
 def local_layout(model: Module) -> list[dict[str, Any]]:
-    """What a local FSDP2 checkpoint records to be checked and joined offline: each parameter's global shape and
-    its shard's shape on this rank (FSDP2 shards dim 0 the way ``torch.chunk`` does)."""
+    """What a local FSDP2 checkpoint records to be checked and joined offline: each parameter's global shape, dtype,
+    placements and mesh shape (FSDP2 shards dim 0 the way ``torch.chunk`` does, over the mesh's last dimension)."""
     from torch.distributed.tensor import DTensor
 
     return [
         {
             "name": name,
             "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
             "placements": [str(pl) for pl in p.placements] if isinstance(p, DTensor) else [],
+            "mesh": list(p.device_mesh.shape) if isinstance(p, DTensor) else [],
         }
         for name, p in _named_parameters(model)
     ]
