@@ -279,3 +279,22 @@ def test_fsdp2_on_a_torch_without_sum_reductions_is_refused_at_construction(monk
     with pytest.raises(ValueError, match=r"fsdp_version=2 needs torch >= 2.8 \(this is torch [\d.]+\): before 2.8"):
         GaudiFSDPStrategy(fsdp_version=2)
     GaudiFSDPStrategy(fsdp_version=1)  # FSDP1 reduces with SUM and divide factors: allowed on every torch
+
+
+def test_doctor_says_whether_the_fsdp2_engine_can_run(monkeypatch):
+    from lightning_gaudi_fsdp import _compat, _doctor
+
+    def line() -> str:
+        rendered = _doctor.render(_doctor.run_checks("cpu"))
+        return next(row for row in rendered.splitlines() if "FSDP2 engine" in row and not row.startswith("fix"))
+
+    if _compat.FSDP2_FORCE_SUM_REDUCTION:
+        assert line().endswith("available: fully_shard, SUM reductions on hccl, HPU kernels registered")
+        assert line().startswith("[ok  ]")
+    monkeypatch.setattr(_compat, "FSDP2_FORCE_SUM_REDUCTION", False)
+    assert line() == (
+        f"[warn] FSDP2 engine (fsdp_version=2)  not on torch {_compat.TORCH_VERSION} (needs >= 2.8); "
+        "fsdp_version=1 only"
+    )
+    rendered = _doctor.render(_doctor.run_checks("cpu"))
+    assert "This machine can run GaudiFSDPStrategy with accelerator='cpu'." in rendered  # a warning, not blocking

@@ -35,6 +35,28 @@ def _lightning_habana() -> Check:
     return Check("lightning-habana", f"{version} (imports; its HPUAccelerator is accepted)")
 
 
+def _fsdp2_engine() -> Check:
+    """Whether ``fsdp_version=2`` can run on this torch, and whether FSDP2's own kernels are registered for HPU."""
+    import torch
+
+    if not _compat.FSDP2_FORCE_SUM_REDUCTION:
+        return Check(
+            "FSDP2 engine (fsdp_version=2)",
+            f"not on torch {_compat.TORCH_VERSION} (needs >= 2.8); fsdp_version=1 only",
+            ok=False,
+            fix="the default engine (fsdp_version=1) works on this torch; FSDP2 needs a container with torch >= 2.8",
+        )
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
+
+    hpu = torch._C._dispatch_has_kernel_for_dispatch_key("fsdp::all_gather_copy_in", "HPU")
+    return Check(
+        "FSDP2 engine (fsdp_version=2)",
+        f"available: fully_shard, SUM reductions on hccl, HPU kernels {'registered' if hpu else 'missing'}",
+        ok=hpu,
+        fix="this torch registers no HPU kernels for FSDP2's copy-in ops; use fsdp_version=1 on Gaudi",
+    )
+
+
 def _pairing(torch_version: str, lightning_version: str) -> Check:
     """Not blocking: a pairing outside the tested ones may still work, and on Gaudi torch comes from the container."""
     ok, sentence = _compat.check_pairing(torch_version, lightning_version)
@@ -62,6 +84,7 @@ def run_checks(accelerator: str = "auto") -> list[Check]:
         Check("torch", versions["torch"]),
         Check("lightning", versions["lightning"]),
         _pairing(versions["torch"], versions["lightning"]),
+        _fsdp2_engine(),
         Check("lightning-gaudi-fsdp", versions["lightning-gaudi-fsdp"]),
         _lightning_habana(),
         Check(
