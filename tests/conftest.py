@@ -105,7 +105,8 @@ def run_script(
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "config.json"
     cfg_file.write_text(json.dumps(cfg))
-    if launcher == "pool" and os.environ.get("SCENARIO_POOL", "1") != "0":
+    # On Gaudi the bridge loads with torch: ranks must start as fresh processes, never forked from the pool.
+    if launcher == "pool" and os.environ.get("SCENARIO_POOL", "1") != "0" and cfg.get("accelerator") != "hpu":
         reference = single_process or cfg.get("strategy") == "reference"
         result = _scenario_pool().run(
             SCENARIOS / script,

@@ -9,19 +9,28 @@ pytestmark = pytest.mark.hpu
 BLOCK = "common.Block"
 
 
-def test_two_cards_train_with_hccl_in_eager_mode(scenario):
-    run = scenario({"accelerator": "hpu", "strategy": {"auto_wrap_policy": [BLOCK]}, "max_steps": 4})
+ENGINES = pytest.mark.parametrize("engine", [1, 2])
+
+
+@ENGINES
+def test_two_cards_train_with_hccl_in_eager_mode(scenario, engine):
+    strategy = {"auto_wrap_policy": [BLOCK], "fsdp_version": engine}
+    run = scenario({"accelerator": "hpu", "strategy": strategy, "max_steps": 4})
     info = run.rank(0)
     assert info["backend"] == "hccl"
-    assert all(u["compute_device"].startswith("hpu") for u in info["units"])
+    if engine == 1:
+        assert all(u["compute_device"].startswith("hpu") for u in info["units"])
+    else:
+        assert info["engine"] == 2  # FSDP2 reduce-scatters with SUM on hccl (HCCL has no AVG)
     assert info["losses"][-1] < info["losses"][0]
 
 
-def test_bf16_mixed_autocasts_on_hpu(scenario):
+@ENGINES
+def test_bf16_mixed_autocasts_on_hpu(scenario, engine):
     run = scenario(
         {
             "accelerator": "hpu",
-            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
             "trainer": {"precision": "bf16-mixed"},
             "max_steps": 2,
         }
@@ -29,9 +38,10 @@ def test_bf16_mixed_autocasts_on_hpu(scenario):
     assert run.rank(0)["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
 
 
+@ENGINES
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
-def test_save_and_resume_each_format_on_hpu(scenario, tmp_path, fmt):
-    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
+def test_save_and_resume_each_format_on_hpu(scenario, tmp_path, fmt, engine):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine}
     module = {"n_samples": 32, "batch_size": 4}
     straight = scenario({"accelerator": "hpu", "strategy": strategy, "module": module, "max_steps": 8}).final()
     ckpt = tmp_path / "ckpt"
@@ -53,11 +63,12 @@ def test_save_and_resume_each_format_on_hpu(scenario, tmp_path, fmt):
         torch.testing.assert_close(resumed["weights"][key], value)
 
 
-def test_compile_uses_hpu_backend(scenario):
+@ENGINES
+def test_compile_uses_hpu_backend(scenario, engine):
     run = scenario(
         {
             "accelerator": "hpu",
-            "strategy": {"auto_wrap_policy": [BLOCK], "compile": True},
+            "strategy": {"auto_wrap_policy": [BLOCK], "compile": True, "fsdp_version": engine},
             "max_steps": 2,
             "probes": ["dynamo"],
         }
