@@ -16,6 +16,8 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
+ENGINES = pytest.mark.parametrize("engine", [1, 2])
+
 # What the fit-start table says each rank holds: FSDP1 flattens 3 blocks of 304 elements and the root's 17 (padded
 # to 18) and halves each; FSDP2 halves every block parameter along dim 0, and the head's single row lands on rank 0.
 HELD = {
@@ -122,11 +124,12 @@ def test_size_based_policy_from_an_int(scenario):
     assert len(run.rank(0)["units"]) == 4
 
 
+@ENGINES
 @pytest.mark.parametrize(("sync", "expected"), [(True, [0.01]), (False, [0.01, 0.02])])
-def test_sync_module_states_broadcasts_rank_zero_weights(scenario, sync, expected):
+def test_sync_module_states_broadcasts_rank_zero_weights(scenario, sync, expected, engine):
     run = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": sync},
+            "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": sync, "fsdp_version": engine},
             "module": {"rank_dependent_init": True},
             "max_steps": 1,
         }
@@ -134,10 +137,11 @@ def test_sync_module_states_broadcasts_rank_zero_weights(scenario, sync, expecte
     assert run.rank(0)["initial_unique_values"] == expected
 
 
-def test_param_init_fn_materialises_a_meta_model(scenario):
+@ENGINES
+def test_param_init_fn_materialises_a_meta_model(scenario, engine):
     run = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK], "param_init_fn": "common.fill_init"},
+            "strategy": {"auto_wrap_policy": [BLOCK], "param_init_fn": "common.fill_init", "fsdp_version": engine},
             "module": {"meta_init": True},
             "max_steps": 1,
         }
@@ -167,8 +171,9 @@ def test_mixed_precision_dict_sets_the_dtype_layers_compute_in(scenario):
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
 
 
+@ENGINES
 @pytest.mark.versions
-def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_torch(scenario):
+def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_torch(scenario, engine):
     # lightning-habana's default on Gaudi (bf16 parameters, fp32 reduction) with SHARD_GRAD_OP and prefetching: on
     # torch 2.6-2.9 it failed in backward when the root cast the float32 targets to bf16 for the user's loss.
     run = scenario(
@@ -176,7 +181,8 @@ def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_
             "strategy": {
                 "sharding_strategy": "shard_grad_op",
                 "auto_wrap_policy": [BLOCK],
-                "backward_prefetch": "backward_post",
+                "backward_prefetch": "backward_post" if engine == 1 else "backward_pre",
+                "fsdp_version": engine,
                 "forward_prefetch": True,
                 "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
             },
@@ -191,9 +197,16 @@ def test_mixed_precision_from_a_dict_keeps_the_batch_dtypes_and_trains_on_every_
         assert all(math.isfinite(loss) for loss in info["losses"])
 
 
+@ENGINES
 @pytest.mark.versions
-def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario):
-    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK]}, "trainer": {"precision": "bf16-mixed"}, "max_steps": 2})
+def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario, engine):
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
+            "trainer": {"precision": "bf16-mixed"},
+            "max_steps": 2,
+        }
+    )
     info = run.rank(1)
     assert info["precision_plugin"] == "GaudiFSDPPrecision"
     # Lightning's own FSDPPrecision autocasts on "cuda" only, which leaves this op in fp32 on a CPU run.
@@ -208,9 +221,16 @@ def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):
     assert run.rank(0)["global_step"] == 2
 
 
+@ENGINES
 @pytest.mark.versions
-def test_compile_compiles_each_unit(scenario):
-    run = scenario({"strategy": {"auto_wrap_policy": [BLOCK], "compile": True}, "max_steps": 2, "probes": ["dynamo"]})
+def test_compile_compiles_each_unit(scenario, engine):
+    run = scenario(
+        {
+            "strategy": {"auto_wrap_policy": [BLOCK], "compile": True, "fsdp_version": engine},
+            "max_steps": 2,
+            "probes": ["dynamo"],
+        }
+    )
     info = run.rank(0)
     assert info["compiled_modules"] == 1  # the FSDP root, compiled in place
     assert info["dynamo_frames_ok"] > 0
@@ -233,10 +253,15 @@ def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario, policy):
                 assert unit["local_numel"] == math.ceil(unit["unsharded_numel"] / 2)
 
 
-def test_ignored_states_by_name(scenario):
+@ENGINES
+def test_ignored_states_by_name(scenario, engine):
     run = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK], "ignored_states": ["net.head.weight", "net.head.bias"]},
+            "strategy": {
+                "auto_wrap_policy": [BLOCK],
+                "ignored_states": ["net.head.weight", "net.head.bias"],
+                "fsdp_version": engine,
+            },
             "max_steps": 1,
         }
     )

@@ -120,6 +120,10 @@ class Probe(Callback):
 def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
     """Each fully_shard unit: its name, the parameter elements it owns and this rank's share of them."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p  # ignored parameters stay plain tensors
 
     owned: set[int] = set()
     units = []
@@ -132,11 +136,9 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
             {
                 "name": name,
                 "unsharded_numel": sum(p.numel() for p in params),
-                "local_numel": sum(p.to_local().numel() for p in params),
+                "local_numel": sum(local(p).numel() for p in params),
                 "shard_dim0": {
-                    n: list(p.to_local().shape)
-                    for n, p in module.named_parameters()
-                    if id(p) in {id(q) for q in params}
+                    n: list(local(p).shape) for n, p in module.named_parameters() if id(p) in {id(q) for q in params}
                 },
                 "reshard_after_forward": None if group is None else bool(group.post_forward_mesh_info),
                 "mesh": list(group.mesh_info.mesh.shape) if group is not None else None,
