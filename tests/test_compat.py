@@ -29,8 +29,11 @@ pytestmark = pytest.mark.versions  # the dcp_save branch differs between torch 2
         ("2.7.1", "2.5.1", (True, "Gaudi software 1.22's torch; CI: not run (between the tested 2.6 and 2.9)")),
         (
             "2.9.1",
-            "2.6.6",
-            (True, "Gaudi software 1.23's torch; CI: representative suite (torch 2.9.1 + Lightning 2.6.6)"),
+            "2.5.1",
+            (
+                True,
+                "Gaudi software 1.23's torch; CI: representative suite, FSDP2 included (torch 2.9.1 + Lightning 2.5.1)",
+            ),
         ),
         ("2.13.0+cpu", "2.6.6", (True, "CI: full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)")),
         (

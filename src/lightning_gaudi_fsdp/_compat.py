@@ -36,7 +36,7 @@ FSDP2_FORCE_SUM_REDUCTION = Version("2.8") <= TORCH_VERSION
 SUPPORTED_PAIRINGS: tuple[tuple[str, str | None, str | None, str], ...] = (
     ("2.6", "2.5.1", "1.21", "representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)"),
     ("2.7", None, "1.22", "not run (between the tested 2.6 and 2.9)"),
-    ("2.9", "2.6.6", "1.23", "representative suite (torch 2.9.1 + Lightning 2.6.6)"),
+    ("2.9", "2.5.1", "1.23", "representative suite, FSDP2 included (torch 2.9.1 + Lightning 2.5.1)"),
     ("2.13", "2.6.6", None, "full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)"),
 )
 LIGHTNING_RANGE = (">=2.5.1", "<2.7")

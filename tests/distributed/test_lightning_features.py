@@ -58,7 +58,6 @@ def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scen
 
 
 @pytest.mark.parametrize("engine", [1, 2])
-@pytest.mark.versions
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
 def test_precision_matrix_trains(scenario, precision, engine):
     run = scenario(
@@ -92,7 +91,6 @@ def test_sync_dist_logging_collectives_and_torchmetrics(scenario):
 
 
 @pytest.mark.parametrize("engine", [1, 2])
-@pytest.mark.versions
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
 def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, fmt, engine):
     info = scenario(

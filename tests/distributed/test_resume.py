@@ -45,19 +45,20 @@ def _assert_same_run(resumed: dict, straight: dict) -> None:
     _assert_equal_nested(resumed["schedulers"], straight["schedulers"], "schedulers")
 
 
+VERSIONS = pytest.mark.versions  # the cases CI also runs on the older torch/Lightning pairings
 CASES = [
-    ("full", "FULL_SHARD", 1),
+    pytest.param("full", "FULL_SHARD", 1, marks=VERSIONS),
     ("full", "SHARD_GRAD_OP", 1),
     ("full", "NO_SHARD", 1),
-    ("sharded", "FULL_SHARD", 1),
+    pytest.param("sharded", "FULL_SHARD", 1, marks=VERSIONS),
     ("sharded", "SHARD_GRAD_OP", 1),
     ("sharded", "NO_SHARD", 1),
-    ("local", "FULL_SHARD", 1),
+    pytest.param("local", "FULL_SHARD", 1, marks=VERSIONS),
     ("local", "SHARD_GRAD_OP", 1),
     ("full", "FULL_SHARD", 2),
-    ("sharded", "FULL_SHARD", 2),
+    pytest.param("sharded", "FULL_SHARD", 2, marks=VERSIONS),
     ("sharded", "SHARD_GRAD_OP", 2),
-    ("local", "FULL_SHARD", 2),
+    pytest.param("local", "FULL_SHARD", 2, marks=VERSIONS),
 ]
 
 
@@ -80,7 +81,6 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.versions
 @pytest.mark.parametrize(("fmt", "sharding", "engine"), CASES)
 def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding, engine):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
