@@ -21,7 +21,15 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     # Each scenario gets its own port range from Lightning's launcher; keep stray variables of an outer run out.
-    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+    for name in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "WORLD_SIZE",
+        "RANK",
+        "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID",  # set in this process by tests that build a launching Trainer
+    ):
         env.pop(name, None)
     return env
 

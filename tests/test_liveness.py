@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -33,3 +34,21 @@ def test_the_verdict_names_lost_ranks_and_the_first_error_another_rank_raised():
         "ValueError: x"
     )
     assert Verdict().message(rank=0, world_size=4) is None
+
+
+def _leave_with_launcher_in_a_child(launcher_pid: str) -> subprocess.CompletedProcess[str]:
+    code = "from lightning_gaudi_fsdp import _liveness; _liveness.leave_with_launcher(); print('stayed')"
+    env = {**os.environ, "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID": launcher_pid}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_rank_whose_launcher_is_gone_leaves_at_once_and_an_unrelated_live_pid_is_left_alone():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid is free, nobody runs under it
+    gone = _leave_with_launcher_in_a_child(str(dead.pid))
+    assert gone.returncode == 1
+    assert f"the process that launched this rank (pid {dead.pid}, global rank 0) is gone" in gone.stderr
+    # pid 1 runs and is not the child's parent: a variable leaked from an outer launch, not our launcher
+    alive = _leave_with_launcher_in_a_child("1")
+    assert alive.returncode == 0
+    assert alive.stdout.strip() == "stayed"

@@ -22,6 +22,50 @@ log = logging.getLogger(__name__)
 
 _PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
+_LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that starts the other ranks
+_PR_SET_PDEATHSIG = 1
+_launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
+
+
+def mark_launcher() -> None:
+    """In the process about to start the other ranks with Lightning's launcher: they inherit its process id."""
+    os.environ[_LAUNCHER_ENV] = str(os.getpid())
+
+
+def leave_with_launcher() -> None:
+    """In a rank started by Lightning's launcher: never outlive it. Under that launcher the rendezvous store lives in
+    the launching process (global rank 0); a rank left behind when it dies would wait out the whole process-group
+    timeout (30 minutes by default), holding its device. The kernel kills this process when its parent dies (Linux
+    ``PR_SET_PDEATHSIG``), and if the launcher is already gone it leaves at once with a message.
+
+    The launcher's pid is taken from the environment once and removed from it, so processes this rank starts do not
+    inherit it; a pid that is not this process's parent and still runs is someone else's launch, left alone."""
+    global _launcher_pid
+    if _launcher_pid is None:
+        value = os.environ.pop(_LAUNCHER_ENV, "")
+        _launcher_pid = int(value) if value.isdigit() else 0
+    launcher = _launcher_pid
+    if not launcher or launcher == os.getpid():
+        return
+    import signal
+    import sys
+
+    if os.getppid() == launcher:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the check below still runs at setup
+            log.debug("PR_SET_PDEATHSIG is not available here")
+        return
+    if _process_alive(launcher):
+        return  # not our parent and still running: an outer launch whose variable leaked into this environment
+    sys.stderr.write(
+        f"lightning_gaudi_fsdp: the process that launched this rank (pid {launcher}, global rank 0) is gone; this "
+        "rank leaves instead of waiting for a rendezvous that cannot happen\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
 
 
 @dataclass

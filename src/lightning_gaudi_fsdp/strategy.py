@@ -225,6 +225,10 @@ class GaudiFSDPStrategy(FSDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._check_mesh_size(self.num_processes * self.num_nodes)  # before any process starts
+        if not self.cluster_environment.creates_processes_externally:
+            _liveness.mark_launcher()  # this process starts the other ranks (Lightning's launcher)
+        else:
+            _liveness.leave_with_launcher()  # a rank it started (a no-op under torchrun, SLURM...)
         if self._on_hpu:
             self._get_process_group_backend()  # a wrong backend fails before any process starts
             gaudi.ensure_eager_mode()
@@ -233,6 +237,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        _liveness.leave_with_launcher()  # before the rendezvous: never wait for a launcher that is gone
         if self._on_hpu:
             gaudi.ensure_eager_mode()
             gaudi.import_hccl()

@@ -122,3 +122,23 @@ def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario
     assert run.proc.returncode != 0
     assert time.monotonic() - started < BOUND_S
     assert "ranks disagree on the FSDP configuration (rank 0 vs rank 1: 4 FSDP units" in run.proc.stderr
+
+
+def test_ranks_never_outlive_the_launcher_that_started_them(scenario):
+    """Rank 0 (Lightning's launcher, home of the rendezvous store) is SIGKILLed right after starting rank 1, which is
+    then still importing torch: rank 1 leaves within seconds instead of waiting out the process-group timeout."""
+    started = time.monotonic()
+    run = scenario(
+        {"strategy": {"auto_wrap_policy": [BLOCK]}, "max_steps": 2, "kill_launcher_after_spawn": True},
+        expect_ok=False,
+        timeout=BOUND_S + 60,
+        launcher="lightning",
+    )
+    elapsed = time.monotonic() - started  # the launch's pipes stay open until rank 1 is gone too
+    assert run.proc.returncode == -9
+    assert elapsed < 60, f"rank 1 outlived its launcher by {elapsed:.0f}s"
+    assert re.search(
+        r"lightning_gaudi_fsdp: the process that launched this rank \(pid \d+, global rank 0\) is gone; this rank "
+        r"leaves instead of waiting for a rendezvous",
+        run.proc.stderr,
+    ), run.proc.stderr[-3000:]

@@ -249,10 +249,28 @@ def lightning_stock_strategy(strategy_cfg: dict[str, Any]) -> Any:
     return StockFSDPStrategy(**kwargs)
 
 
+def kill_launcher_after_spawn() -> None:
+    """Rank 0 (Lightning's launcher) SIGKILLs itself right after starting the other ranks: they are still importing
+    torch or entering the rendezvous, whose store would have lived in rank 0."""
+    import signal
+
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    real = _SubprocessScriptLauncher._call_children_scripts
+
+    def spawn_then_die(self: Any) -> None:
+        real(self)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _SubprocessScriptLauncher._call_children_scripts = spawn_then_die
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("kill_launcher_after_spawn"):
+        kill_launcher_after_spawn()
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"])
     L.seed_everything(cfg.get("seed", 7), workers=True)
