@@ -113,13 +113,7 @@ def resolve_dtype(value: str | torch.dtype, argument: str = "dtype") -> torch.dt
     raise TypeError(f"{argument} must be a dtype name or a torch.dtype, got {type(value).__name__} {value!r}")
 
 
-def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
-    """A ``MixedPrecision`` (used as it is), or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or
-    ``None``. A dict that names neither casting key gets ``cast_forward_inputs=True, cast_root_forward_inputs=False``:
-    every FSDP unit below the root casts its inputs to ``param_dtype`` and the batch reaching ``training_step`` is left
-    alone (see ``keeps_batch_dtypes``)."""
-    if value is None or isinstance(value, MixedPrecision):
-        return value
+def _check_mixed_precision_dict(value: object) -> None:
     if not isinstance(value, Mapping):
         raise TypeError(f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}")
     unknown = [key for key in value if key not in MIXED_PRECISION_KEYS]
@@ -128,6 +122,16 @@ def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) ->
             f"mixed_precision has unknown key(s) {_expected(map(str, unknown))}; "
             f"expected any of {_expected(MIXED_PRECISION_KEYS)}"
         )
+
+
+def resolve_mixed_precision(value: Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
+    """A ``MixedPrecision`` (used as it is), or a dict with any of ``MIXED_PRECISION_KEYS`` (dtypes by name), or
+    ``None``. A dict that names neither casting key gets ``cast_forward_inputs=True, cast_root_forward_inputs=False``:
+    every FSDP unit below the root casts its inputs to ``param_dtype`` and the batch reaching ``training_step`` is left
+    alone (see ``keeps_batch_dtypes``)."""
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    _check_mixed_precision_dict(value)
     # The LightningModule is the FSDP root and training_step runs inside its forward, so torch's default
     # (cast_root_forward_inputs=True) would cast the whole batch, targets included, to param_dtype: a float32 target
     # silently rounded to bf16, and on older torch (2.6 to 2.9 at least) a loss such as
@@ -178,14 +182,7 @@ def resolve_mixed_precision_policy(value: Mapping[str, Any] | MixedPrecision | N
             "keep_low_precision_grads": value.keep_low_precision_grads,
             "cast_forward_inputs": value.cast_forward_inputs or value.cast_root_forward_inputs,
         }
-    if not isinstance(value, Mapping):
-        raise TypeError(f"mixed_precision must be a dict or a MixedPrecision, got {type(value).__name__} {value!r}")
-    unknown = [key for key in value if key not in MIXED_PRECISION_KEYS]
-    if unknown:
-        raise ValueError(
-            f"mixed_precision has unknown key(s) {_expected(map(str, unknown))}; "
-            f"expected any of {_expected(MIXED_PRECISION_KEYS)}"
-        )
+    _check_mixed_precision_dict(value)
     if value.get("buffer_dtype") is not None:
         raise ValueError(
             f"mixed_precision['buffer_dtype']={value['buffer_dtype']!r} is not supported with fsdp_version=2: FSDP2 "

@@ -21,17 +21,20 @@ def _module(**extra):
     return {"n_samples": 32, "batch_size": 4, **extra}
 
 
-def _assert_equal_nested(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
+def _assert_equal_nested(a, b, path="", close=False) -> None:
+    """Bitwise equal tensors, or within 1e-5 with ``close``, at every leaf of nested dicts and lists."""
+    if isinstance(a, torch.Tensor) and close:
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=0, msg=lambda m: f"{path}: {m}")
+    elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), f"{path} differs: max {(a.float() - b.float()).abs().max()}"
     elif isinstance(a, dict):
         assert sorted(a, key=str) == sorted(b, key=str), f"{path} keys differ"
         for k in a:
-            _assert_equal_nested(a[k], b[k], f"{path}.{k}")
+            _assert_equal_nested(a[k], b[k], f"{path}.{k}", close)
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal_nested(x, y, f"{path}[{i}]")
+            _assert_equal_nested(x, y, f"{path}[{i}]", close)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
@@ -96,18 +99,7 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
 
 
 def _assert_close_nested(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=0, msg=lambda m: f"{path}: {m}")
-    elif isinstance(a, dict):
-        assert sorted(a, key=str) == sorted(b, key=str), f"{path} keys differ"
-        for k in a:
-            _assert_close_nested(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_close_nested(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    _assert_equal_nested(a, b, path, close=True)
 
 
 @pytest.mark.fsdp2

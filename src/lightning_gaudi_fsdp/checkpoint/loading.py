@@ -7,7 +7,7 @@ on the outcome, then :func:`apply_load` changes the weights. Nothing here knows 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,7 @@ class PendingLoad:
     optimizer_states: list[Any] | None = None
     dcp_metadata: Any = None
     weights_only: bool = True
+    optimizer_groups: list[Any] = field(default_factory=list)  # hyper-parameters kept beside sharded state
 
 
 def check_load(
@@ -204,6 +205,7 @@ def apply_load(
 ) -> dict[str, Any]:
     """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
     path, rest = pending.path, pending.rest
+    pending.optimizer_groups = rest.pop(OPTIMIZER_GROUPS_KEY, [])  # ours, not Lightning's: never handed back
     if fsdp2.is_fsdp2(model):
         _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers)
     elif pending.fmt == "full":
@@ -257,10 +259,24 @@ def _apply_fsdp2_load(
 def _load_sharded_fsdp2_optimizers(pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer]) -> None:
     import torch.distributed.checkpoint as dcp
 
+    def load_one(key: str, optimizer: Optimizer) -> None:
+        state = {key: fsdp2_state.sharded_template(model, optimizer)}
+        dcp.load(state, storage_reader=storage_reader(pending.path, weights_only=pending.weights_only))
+        fsdp2_state.load_sharded_optimizer(model, optimizer, state[key])
+
+    _for_each_sharded_optimizer(pending, optimizers, load_one)
+
+
+def _for_each_sharded_optimizer(
+    pending: PendingLoad, optimizers: Sequence[Optimizer], load_one: Callable[[str, Optimizer], None]
+) -> None:
+    """Call ``load_one(key, optimizer)`` for each optimizer whose per-parameter state the sharded checkpoint holds;
+    an optimizer with no such state (e.g. SGD without momentum) gets the hyper-parameters stored beside it. Nothing
+    happens for a checkpoint without optimizer state (weights only)."""
     path, keys = pending.path, set(pending.dcp_metadata.state_dict_metadata)
-    groups = pending.rest.pop(OPTIMIZER_GROUPS_KEY, [])
+    groups = pending.optimizer_groups
     if not any(k.startswith("optimizer_") for k in keys):
-        return  # a weights-only checkpoint
+        return
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         if not any(k.startswith(f"{key}.") for k in keys):
@@ -269,9 +285,7 @@ def _load_sharded_fsdp2_optimizers(pending: PendingLoad, model: Module, optimize
             if idx < len(groups):
                 optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
             continue
-        state = {key: fsdp2_state.sharded_template(model, optimizer)}
-        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        fsdp2_state.load_sharded_optimizer(model, optimizer, state[key])
+        load_one(key, optimizer)
 
 
 def _check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:
@@ -313,26 +327,20 @@ def _load_sharded(
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    path, keys = pending.path, set(pending.dcp_metadata.state_dict_metadata)
-    groups = pending.rest.pop(OPTIMIZER_GROUPS_KEY, [])
+    path = pending.path
     with state_dict_context(model, "sharded", device_type):
         state = {"model": pending.model_state}
         dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
         model.load_state_dict(state["model"], strict=strict)
-        if not load_optimizers or not any(k.startswith("optimizer_") for k in keys):
-            return  # a checkpoint without optimizer state
+        if not load_optimizers:
+            return
         reader = storage_reader(path, weights_only=pending.weights_only)
-        for idx, optimizer in enumerate(optimizers):
-            key = f"optimizer_{idx}"
-            if not any(k.startswith(f"{key}.") for k in keys):
-                raise CheckpointError(path, f"it holds no state for optimizer {idx}")
-            if not any(k.startswith(f"{key}.state.") for k in keys):
-                # No per-parameter state (e.g. SGD without momentum): restore the hyper-parameters we stored.
-                if idx < len(groups):
-                    optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
-                continue
+
+        def load_one(key: str, optimizer: Optimizer) -> None:
             loaded = load_sharded_optimizer_state_dict(state["model"], key, reader)[key]
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, loaded))
+
+        _for_each_sharded_optimizer(pending, optimizers, load_one)
 
 
 def _load_local(pending: PendingLoad, model: Module, device_type: str) -> None:
