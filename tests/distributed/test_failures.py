@@ -106,18 +106,18 @@ def test_when_rank_0_is_killed_the_survivor_says_so(scenario):
     assert "rank 0 was most likely lost" in run.proc.stderr
 
 
-def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario):
+@pytest.mark.parametrize("engine", [1, 2])
+def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario, engine):
     started = time.monotonic()
     run = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK]},
+            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
             "strategy_rank1": {"auto_wrap_policy": None},
             "module": {"n_samples": 64},
             "max_steps": 2,
         },
         expect_ok=False,
         timeout=BOUND_S + 60,
-        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
     )
     assert run.proc.returncode != 0
     assert time.monotonic() - started < BOUND_S
