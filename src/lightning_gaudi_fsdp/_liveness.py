@@ -76,6 +76,7 @@ class Verdict:
     lost: list[int] = field(default_factory=list)
     errors: list[tuple[int, str]] = field(default_factory=list)
     store_unreachable: str | None = None
+    stuck: list[int] = field(default_factory=list)  # alive, no error of their own: asked to print their stacks
 
     def message(self, rank: int, world_size: int) -> str | None:
         if self.store_unreachable is not None:
@@ -92,6 +93,14 @@ class Verdict:
             parts.append(
                 f"rank{plural} {names} of {world_size} stopped without reporting an error (killed, out of memory, "
                 "or crashed); the collective failure on the surviving ranks follows from that"
+            )
+        if self.stuck:
+            names = ", ".join(str(r) for r in self.stuck)
+            plural = "s" if len(self.stuck) > 1 else ""
+            parts.append(
+                f"rank{plural} {names} of {world_size} still run{'' if plural else 's'} but never reached the "
+                f"collective (stuck); each printed its Python stack to its own stderr, under the line "
+                f"'lightning_gaudi_fsdp: rank N stack, asked by rank {rank}'"
             )
         others = [(r, text) for r, text in self.errors if r != rank]
         if others:  # errors a rank raised itself (not a collective failing because of another rank)
@@ -171,9 +180,14 @@ class Heartbeat:
 
     def _beat(self, store: Any) -> None:
         key = _key("beat", self.rank, self._run)
+        dump = _key("dump", self.rank, self._run)
         while not self._stop.wait(self.interval_s):
             try:
                 store.add(key, 1)
+                if store.check([dump]):
+                    asked_by = store.get(dump).decode()
+                    store.delete_key(dump)
+                    _dump_stacks(self.rank, asked_by)
             except Exception:  # the store went away with its host; the main thread will find out on its own
                 return
 
@@ -211,7 +225,15 @@ class Heartbeat:
             return Verdict(store_unreachable=f"{host}:{port}: {type(err).__name__}")
         reported = {r for _, r, _, _ in errors}
         own_errors = [(r, text) for _, r, peer, text in sorted(errors) if not peer]
-        return Verdict(lost=sorted(gone - reported), errors=own_errors)
+        stuck = sorted(set(range(self.world_size)) - gone - reported - {self.rank})
+        if stuck:
+            try:
+                for r in stuck:  # their heartbeat threads print where their main threads are
+                    store.set(_key("dump", r, run), str(self.rank))
+                time.sleep(2 * self.interval_s)
+            except Exception:  # noqa: BLE001, S110 - the verdict stands without the stacks
+                pass
+        return Verdict(lost=sorted(gone - reported), errors=own_errors, stuck=stuck)
 
     def _gone(self, store: Any) -> set[int]:
         """Ranks no longer running: by process id on this node (at once), by a stalled heartbeat elsewhere."""
@@ -232,6 +254,16 @@ class Heartbeat:
             time.sleep(3 * self.interval_s)
             gone.update(r for r in remote if store.add(_key("beat", r, run), 0) == before[r])
         return gone
+
+
+def _dump_stacks(rank: int, asked_by: str) -> None:
+    """Print every thread's Python stack to stderr (from the heartbeat thread, while the main thread is stuck)."""
+    import faulthandler
+    import sys
+
+    sys.stderr.write(f"lightning_gaudi_fsdp: rank {rank} stack, asked by rank {asked_by} (its collective failed):\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def _read(store: Any, key: str) -> str | None:

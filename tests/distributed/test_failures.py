@@ -14,11 +14,11 @@ BLOCK = "common.Block"
 BOUND_S = 90  # far below the 30-minute default process-group timeout
 
 
-def _failing_run(scenario, fail: dict, **extra):
+def _failing_run(scenario, fail: dict, timeout_s: float = 60, **extra):
     started = time.monotonic()
     run = scenario(
         {
-            "strategy": {"auto_wrap_policy": [BLOCK], "timeout": 60},
+            "strategy": {"auto_wrap_policy": [BLOCK], "timeout": timeout_s},
             "module": {"n_samples": 64, "fail": fail},
             "max_steps": 6,
             **extra,
@@ -142,3 +142,12 @@ def test_ranks_never_outlive_the_launcher_that_started_them(scenario):
         r"leaves instead of waiting for a rendezvous",
         run.proc.stderr,
     ), run.proc.stderr[-3000:]
+
+
+def test_a_stuck_rank_prints_where_it_is_stuck(scenario):
+    """Rank 1 hangs in training_step (alive, heartbeating); rank 0's collective times out after the strategy's
+    timeout and asks it for its stack, which names the line it is stuck on."""
+    run = _failing_run(scenario, {"where": "training_step", "rank": 1, "step": 2, "kind": "hang"}, timeout_s=20)
+    assert "lightning_gaudi_fsdp: rank 1 stack, asked by rank 0 (its collective failed):" in run.proc.stderr
+    assert "in _maybe_fail" in run.proc.stderr  # the stuck frame, from rank 1's faulthandler dump
+    assert "rank 1 of 2 still runs but never reached the collective (stuck)" in run.proc.stderr

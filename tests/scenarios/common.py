@@ -87,6 +87,10 @@ class Module(L.LightningModule):
             return
         if fail.get("kind") == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fail.get("kind") == "hang":  # alive and stuck, as in a deadlock or a hung device call
+            import time
+
+            time.sleep(3600)
         raise RuntimeError(f"boom in {where} on rank {rank}")
 
     def configure_model(self) -> None:
