@@ -15,6 +15,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 FEATURES = 16
+# What every scenario's Trainer leaves out (no logger, bar, summary, sanity check, validation or Lightning's sampler).
+QUIET_TRAINER: dict[str, Any] = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+    use_distributed_sampler=False,
+)
 
 
 class Block(nn.Module):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from common import Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, write_json
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from train import leave
 
@@ -136,12 +136,7 @@ def main() -> None:
         devices=2,
         strategy=GaudiFSDPStrategy(**cfg["strategy"]),
         max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
+        **{**QUIET_TRAINER, "enable_checkpointing": True},
         callbacks=[FailingSaves(cfg), mc],
     )
     trainer.fit(Module(**cfg["module"]))

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Block, Module, load_config, status_bytes, write_json
+from common import QUIET_TRAINER, Block, Module, load_config, status_bytes, write_json
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -277,15 +277,7 @@ def main() -> None:
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})
     trainer_kwargs: dict[str, Any] = dict(
-        accelerator=cfg.get("accelerator", "cpu"),
-        max_steps=cfg.get("max_steps", 4),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
+        QUIET_TRAINER, accelerator=cfg.get("accelerator", "cpu"), max_steps=cfg.get("max_steps", 4)
     )
     trainer_kwargs.update(cfg.get("trainer", {}))
     if strategy_cfg == "reference":

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from common import Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, write_json
 from lightning.pytorch.callbacks import Callback
 from train import leave
 
@@ -81,14 +81,7 @@ def fit(max_steps: int, ckpt: Path | None = None, weights_only: bool | None = No
         devices=2,
         strategy=GaudiFSDPStrategy(auto_wrap_policy=["common.Block"], timeout=60),
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        **kwargs,
+        **{**QUIET_TRAINER, **kwargs},
     )
     extra = {} if weights_only is None else {"weights_only": weights_only}
     try:
