@@ -114,7 +114,8 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
     _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
     for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone
         writes = json.loads((first.out / f"writes{rank}.json").read_text())
-        assert writes and min(writes) > k, writes  # every write began after a later step
+        assert writes
+        assert min(writes) > k, writes  # every write began after a later step
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # committed, nothing staged left
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)

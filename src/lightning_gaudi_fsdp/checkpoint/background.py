@@ -129,7 +129,12 @@ class BackgroundSaver:
         reports = gather(storage.failures_of(error, rank, STAGE) if error is not None else [])
         failures = storage.merge_reports(reports)
         if failures:
-            raise storage.CheckpointSaveError(job.path, failures, len(reports)) from error
+            failed = storage.CheckpointSaveError(job.path, failures, len(reports))
+            failed.add_note(
+                "This checkpoint was being written in the background (async_save=True): its failure is raised at the "
+                "next save or at the end of fit."
+            )
+            raise failed from error
 
     def finish(self, *, rank: int, gather: storage.Gather, interrupted: bool = False) -> None:
         """End of fit: wait for the last save (raising its failure on every rank unless ``interrupted``), then free
