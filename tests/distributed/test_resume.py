@@ -179,8 +179,9 @@ def test_sgd_without_momentum_resumes(scenario, tmp_path, uninterrupted, fmt):
     _assert_same_run(resumed.final(), straight)
 
 
-def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path):
-    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+@pytest.mark.parametrize("async_save", [False, True])
+def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path, uninterrupted, async_save):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded", "async_save": async_save}
     k = STEPS_PER_EPOCH
     dirpath = tmp_path / "ckpts"
     callback = {
@@ -190,7 +191,7 @@ def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path)
         "monitor": "train_loss",
         "every_n_train_steps": 2,
     }
-    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    straight = uninterrupted(strategy, _module())
     scenario({"strategy": strategy, "module": _module(), "max_steps": k, "model_checkpoint": callback})
     saved = sorted(p.name for p in dirpath.iterdir())
     assert "last.ckpt" in saved
