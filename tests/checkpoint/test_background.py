@@ -148,7 +148,7 @@ def test_a_save_waits_for_the_one_in_flight_and_says_so_when_that_takes_long(mon
         blocked = saver.save({}, Path("second.ckpt"), second, rank=0, gather=_alone)
     assert blocked >= 0.25  # it waited for the first one
     assert first.seen  # which had finished before the second began
-    assert "waiting for the background save of 'first.ckpt'" in caplog.text
+    assert "the save of 'second.ckpt' waits for the background save of 'first.ckpt'" in caplog.text
     saver.finish(rank=0, gather=_alone)
     assert second.seen
 

@@ -78,7 +78,7 @@ class BackgroundSaver:
         """Wait for the previous save (raising its failure on every rank), stage ``checkpoint`` and start writing it
         in the background. Returns the seconds this call blocked."""
         started = time.monotonic()
-        self.wait(rank=rank, gather=gather)
+        self.wait(rank=rank, gather=gather, waiting=f"the save of {str(path)!r}")
         staged = self._stager.stage(checkpoint)
         group = self._process_group()
         job = _Job(Path(path), time.monotonic())
@@ -103,18 +103,26 @@ class BackgroundSaver:
             return
         _remove(remove)
 
-    def wait(self, *, rank: int, gather: storage.Gather, agree: bool = True, timeout: float | None = None) -> None:
+    def wait(
+        self,
+        *,
+        rank: int,
+        gather: storage.Gather,
+        agree: bool = True,
+        timeout: float | None = None,
+        waiting: str = "the end of fit",
+    ) -> None:
         """Wait for the save in flight. ``agree``: exchange outcomes over ``gather`` and raise
         :class:`~.storage.CheckpointSaveError` on every rank if any rank's save failed; without it (after the run
-        failed, when peers may not be there) a failure is logged, and the wait ends after ``timeout`` seconds."""
+        failed, when peers may not be there) a failure is logged, and the wait ends after ``timeout`` seconds.
+        ``waiting``: what waits, for the warning logged when the wait is long."""
         job = self._job
         if job is None:
             return
         if not job.done.wait(LONG_WAIT_S):
             log.warning(
-                f"[rank {rank}] waiting for the background save of {str(job.path)!r} (started "
-                f"{time.monotonic() - job.started:.0f}s ago) to finish; checkpoints are asked for faster than the "
-                "storage writes them"
+                f"[rank {rank}] {waiting} waits for the background save of {str(job.path)!r}, started "
+                f"{time.monotonic() - job.started:.0f}s ago: the storage writes checkpoints slower than they are taken"
             )
             if not job.done.wait(timeout):
                 log.error(f"[rank {rank}] gave up waiting for the background save of {str(job.path)!r}")
