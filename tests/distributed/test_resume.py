@@ -101,15 +101,21 @@ ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("loca
 @pytest.mark.versions
 @pytest.mark.parametrize(("fmt", "engine"), ASYNC_CASES)
 def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tmp_path, uninterrupted, fmt, engine):
-    """async_save=True: the checkpoint of step k is written while training goes on to 2k (each write first sleeps, so
-    it starts only after later steps changed the weights), and it still holds step k: resuming from it ends exactly
-    as the run that never stopped, as does the run that saved."""
+    """async_save=True: the checkpoint of step k is written while training goes on to 2k (each write first waits for
+    a later step to change the weights), and it still holds step k: resuming from it ends exactly as the run that
+    never stopped, as does the run that saved."""
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "async_save": True}
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / "ckpt"
     first = scenario(
-        {"strategy": strategy, "module": _module(), "max_steps": 2 * k, "slow_writes": 0.3, **_save_at(k, ckpt)}
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "writes_after_a_later_step": 60,
+            **_save_at(k, ckpt),
+        }
     )
     _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
     for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone

@@ -243,10 +243,11 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
 _NOW = {"step": 0}  # the last finished training step, for probes that run in the background
 
 
-def arm_write_probes(out: Path, slow_writes: float | None, record_events: bool) -> None:
-    """``slow_writes``: each checkpoint write first sleeps that many seconds, then records the training step reached
-    by then (``writes<rank>.json``); ``record_events``: every checkpoint commit and removal, in order
-    (``events<rank>.json``)."""
+def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_events: bool) -> None:
+    """``slow_writes``: each checkpoint write first sleeps that many seconds; ``later_step_s``: it first waits until
+    training finished a step after the one reached when the write began (at most that many seconds: only for a save
+    no later save waits for). Either way it records the step reached (``writes<rank>.json``). ``record_events``:
+    every checkpoint commit and removal, in order (``events<rank>.json``)."""
     import lightning.fabric.plugins.io.torch_io as torch_io
 
     from lightning_gaudi_fsdp import _compat
@@ -258,7 +259,10 @@ def arm_write_probes(out: Path, slow_writes: float | None, record_events: bool) 
 
     def slowed(real: Any) -> Any:
         def write(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(slow_writes or 0)
+            time.sleep(slow_writes)
+            step, deadline = _NOW["step"], time.monotonic() + later_step_s
+            while _NOW["step"] <= step and time.monotonic() < deadline:
+                time.sleep(0.01)
             writes.append(_NOW["step"])
             write_json(out, f"writes{rank}.json", writes)
             return real(*args, **kwargs)
@@ -274,7 +278,7 @@ def arm_write_probes(out: Path, slow_writes: float | None, record_events: bool) 
 
         return call
 
-    if slow_writes:
+    if slow_writes or later_step_s:
         formats.save_file = slowed(formats.save_file)
         _compat.dcp_save = slowed(_compat.dcp_save)
     if record_events:
@@ -318,8 +322,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"])
-    if cfg.get("slow_writes") or cfg.get("record_events"):
-        arm_write_probes(out, cfg.get("slow_writes"), bool(cfg.get("record_events")))
+    if cfg.get("slow_writes") or cfg.get("writes_after_a_later_step") or cfg.get("record_events"):
+        arm_write_probes(
+            out, cfg.get("slow_writes", 0), cfg.get("writes_after_a_later_step", 0), bool(cfg.get("record_events"))
+        )
     L.seed_everything(cfg.get("seed", 7), workers=True)
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})
