@@ -79,6 +79,7 @@ class BackgroundSaver:
         in the background. Returns the seconds this call blocked."""
         started = time.monotonic()
         self.wait(rank=rank, gather=gather, waiting=f"the save of {str(path)!r}")
+        waited = time.monotonic() - started
         staged = self._stager.stage(checkpoint)
         group = self._process_group()
         job = _Job(Path(path), time.monotonic())
@@ -88,7 +89,10 @@ class BackgroundSaver:
         self._job = job
         thread.start()
         blocked = time.monotonic() - started
-        log.debug(f"[rank {rank}] {str(path)!r}: staged {storage.human_bytes(self._stager.nbytes)} in {blocked:.3f}s")
+        log.debug(
+            f"[rank {rank}] {str(path)!r}: waited {waited:.3f}s for the previous save, staged "
+            f"{storage.human_bytes(self._stager.nbytes)} in {blocked - waited:.3f}s"
+        )
         return blocked
 
     def defer_removal(self, remove: Callable[[], None]) -> None:
@@ -122,7 +126,7 @@ class BackgroundSaver:
         if not job.done.wait(LONG_WAIT_S):
             log.warning(
                 f"[rank {rank}] {waiting} waits for the background save of {str(job.path)!r}, started "
-                f"{time.monotonic() - job.started:.0f}s ago: the storage writes checkpoints slower than they are taken"
+                f"{time.monotonic() - job.started:.0f}s ago"
             )
             if not job.done.wait(timeout):
                 log.error(f"[rank {rank}] gave up waiting for the background save of {str(job.path)!r}")
