@@ -80,6 +80,8 @@ def test_yaml_spellings_become_torch_objects():
         ({"device_mesh": [2, 2]}, ValueError, "only applies to hybrid sharding"),
         ({"cpu_offload": "no"}, TypeError, "cpu_offload must be True or False, got str 'no'"),
         ({"check_free_space": "no"}, TypeError, "check_free_space must be True or False, got str 'no'"),
+        ({"async_save": "true"}, TypeError, "async_save must be True or False, got str 'true'"),
+        ({"async_save": 1}, TypeError, "async_save must be True or False, got int 1"),
     ],
 )
 def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, match):
@@ -140,6 +142,27 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     )
     assert strategy._keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
     assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
+
+
+def test_async_save_is_off_by_default_and_goes_to_the_background_only_while_fit_trains():
+    assert GaudiFSDPStrategy()._background is None
+    strategy = GaudiFSDPStrategy(async_save=True, timeout=30, state_dict_type="full")  # every format may save async
+    saver = strategy._background
+    assert saver is not None
+    assert saver._timeout == timedelta(seconds=30)  # the background group's timeout is the strategy's
+    assert not saver.active  # saves before the training loop starts (and after teardown) stay synchronous
+    strategy.on_train_start()
+    assert saver.active
+
+
+def test_async_save_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  async_save: true\n  state_dict_type: sharded\n")
+    strategy = GaudiFSDPStrategy(**config.strategy.as_dict())
+    assert strategy._background is not None
 
 
 def test_registered_names_build_our_strategy():

@@ -73,16 +73,19 @@ def check_pairing(torch_version: str, lightning_version: str) -> tuple[bool, str
     return True, "within the supported range, not a pairing CI tests"
 
 
-def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], no_dist: bool = False) -> None:
+def dcp_save(
+    state: dict[str, Any], checkpoint_id: str | os.PathLike[str], no_dist: bool = False, process_group: Any = None
+) -> None:
     """``torch.distributed.checkpoint.save``; ``no_dist=True`` writes from one process without a process group
-    (offline conversion), on every supported torch."""
+    (offline conversion), on every supported torch. ``process_group``: the group DCP coordinates over (default: the
+    default group)."""
     import torch.distributed.checkpoint as dcp
 
     if TORCH_GREATER_EQUAL_2_7:
-        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist)
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist, process_group=process_group)
         return
     if not no_dist:
-        dcp.save(state, checkpoint_id=checkpoint_id)
+        dcp.save(state, checkpoint_id=checkpoint_id, process_group=process_group)
         return
     # torch 2.6's public save has no no_dist switch; its private entry point, which save() itself calls, has.
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict

@@ -89,7 +89,7 @@ def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -
         ("parameter shards per rank" if fsdp2 else "flat parameters per rank", _held_row(held_per_rank)),
         ("mixed precision", dtypes),
         ("Trainer precision", str(strategy.precision_plugin.precision)),
-        ("state_dict_type", strategy._state_dict_type),
+        ("state_dict_type", strategy._state_dict_type + (", saved in the background" if strategy._background else "")),
         ("backend", str(strategy.process_group_backend)),
         ("device", str(strategy.root_device)),
         ("world size", str(strategy.world_size)),

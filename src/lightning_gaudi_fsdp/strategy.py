@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import socket
@@ -20,7 +21,7 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -32,6 +33,7 @@ from typing_extensions import override
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -93,6 +95,12 @@ class GaudiFSDPStrategy(FSDPStrategy):
             its file system and refuse the save before anything is written when it is short. ``None`` (default)
             reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
             systems that report free space wrongly.
+        async_save: ``True`` makes saves during ``fit`` return once the state is copied into host buffers (kept
+            from one save to the next); a background thread writes and commits it while training goes on, in any
+            ``state_dict_type``. At most one save is in flight: the next one waits for it. An older checkpoint that
+            ``ModelCheckpoint`` rotates out is removed only after the newer one committed. A background save that
+            fails raises ``CheckpointSaveError`` on every rank at the next save or at the end of fit. Saves outside
+            ``fit`` (or after it) stay synchronous. README: "Saving in the background".
     """
 
     strategy_name = "gaudi_fsdp"
@@ -127,6 +135,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         eager_pipeline: bool | None = None,
         fsdp_version: int = 1,
         check_free_space: bool | None = None,
+        async_save: bool = False,
     ) -> None:
         sharding = options.resolve_sharding_strategy(sharding_strategy)
         wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
@@ -190,6 +199,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         self._check_free_space = (
             None if check_free_space is None else options.resolve_bool(check_free_space, "check_free_space")
         )
+        self._background = BackgroundSaver(self._timeout) if options.resolve_bool(async_save, "async_save") else None
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
@@ -258,10 +268,13 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        super().teardown()
+        try:
+            self._finish_background_saves()
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
+            super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -609,16 +622,50 @@ class GaudiFSDPStrategy(FSDPStrategy):
         checkpoint[formats.ENGINE_KEY] = self._fsdp_version
         if self._state_dict_type == "full" and checkpoint.get("optimizer_states"):
             checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(self._wrapped_model())
-        formats.save(
+        save = functools.partial(
+            formats.save,
             self._state_dict_type,
-            checkpoint,
-            path,
+            path=path,
             rank=self.global_rank,
             world_size=self.world_size,
-            gather=self._gather_objects,
             local_metadata=metadata,
             check_free_space=self._check_free_space,
         )
+        background = self._background
+        if background is not None and background.active:
+            background.save(
+                checkpoint,
+                path,
+                lambda staged, gather, group: save(staged, gather=gather, process_group=group),
+                rank=self.global_rank,
+                gather=self._gather_objects,
+            )
+            return
+        save(checkpoint, gather=self._gather_objects)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        # With async_save, ModelCheckpoint asks to remove the checkpoint it replaces right after save_checkpoint
+        # returns, before the newer one is written: that removal waits until the newer one has committed.
+        background = self._background
+        if background is not None and background.active:
+            background.defer_removal(functools.partial(super().remove_checkpoint, filepath))
+            return
+        super().remove_checkpoint(filepath)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._background is not None:
+            self._background.active = True  # until teardown, which waits for the last save
+
+    def _finish_background_saves(self) -> None:
+        if self._background is None:
+            return
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        self._background.finish(rank=self.global_rank, gather=self._gather_objects, interrupted=interrupted)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

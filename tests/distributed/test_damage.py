@@ -100,15 +100,19 @@ def test_local_checkpoint_at_another_world_size(checkpoints, scenario):
     _load_fails(scenario, ckpt, "local", "saved with world size 2 and this run has world size 1", devices=1)
 
 
-@pytest.mark.parametrize(("fmt", "victim"), [("full", 0), ("sharded", 1), ("local", 1)])
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path, fmt, victim):
+@pytest.mark.parametrize(
+    ("fmt", "victim", "async_save"),
+    [("full", 0, False), ("sharded", 1, False), ("local", 1, False), ("sharded", 1, True), ("local", 0, True)],
+)
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path, fmt, victim, async_save):
+    """With ``async_save`` the kill hits the background write while training goes on."""
     ckpt = tmp_path / "last.ckpt"
     good = scenario({"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "save_path": str(ckpt)}).final()
     assert describe(ckpt)["global_step"] == 2
     # a second run resumes, then dies in the middle of overwriting the same checkpoint
     crashed = scenario(
         {
-            "strategy": _strategy(fmt),
+            "strategy": _strategy(fmt, async_save=async_save),
             "module": MODULE,
             "max_steps": 6,
             "ckpt_path": str(ckpt),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def uninterrupted(tmp_path_factory):
     runs: dict[str, dict] = {}
 
     def get(strategy: dict, module: dict) -> dict:
-        training = {k: v for k, v in strategy.items() if k != "state_dict_type"}
+        training = {k: v for k, v in strategy.items() if k not in ("state_dict_type", "async_save")}
         key = json.dumps([training, module], sort_keys=True)
         if key not in runs:
             cfg = {"strategy": training, "module": module, "max_steps": 2 * STEPS_PER_EPOCH}
@@ -94,6 +95,39 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
     first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
     assert first.final()["step"] == k
     assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
+    resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
+    _assert_same_run(resumed.final(), straight)
+
+
+ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("local", 2)]
+
+
+@pytest.mark.versions
+@pytest.mark.parametrize(("fmt", "engine"), ASYNC_CASES)
+def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tmp_path, uninterrupted, fmt, engine):
+    """async_save=True: the checkpoint of step k is written while training goes on to 2k (each write first waits for
+    a later step to change the weights), and it still holds step k: resuming from it ends exactly as the run that
+    never stopped, as does the run that saved."""
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "async_save": True}
+    k = STEPS_PER_EPOCH
+    straight = uninterrupted(strategy, _module())
+    ckpt = tmp_path / "ckpt"
+    first = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "writes_after_a_later_step": 60,
+            **_save_at(k, ckpt),
+        }
+    )
+    _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
+    assert re.search(rf"state_dict_type +: {fmt}, saved in the background", first.proc.stderr)  # fit-start table
+    for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone
+        writes = json.loads((first.out / f"writes{rank}.json").read_text())
+        assert writes
+        assert min(writes) > k, writes  # every write began after a later step
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # committed, nothing staged left
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)
 
@@ -145,8 +179,9 @@ def test_sgd_without_momentum_resumes(scenario, tmp_path, uninterrupted, fmt):
     _assert_same_run(resumed.final(), straight)
 
 
-def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path):
-    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+@pytest.mark.parametrize("async_save", [False, True])
+def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path, uninterrupted, async_save):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded", "async_save": async_save}
     k = STEPS_PER_EPOCH
     dirpath = tmp_path / "ckpts"
     callback = {
@@ -156,7 +191,7 @@ def test_model_checkpoint_last_and_top_k_then_ckpt_path_last(scenario, tmp_path)
         "monitor": "train_loss",
         "every_n_train_steps": 2,
     }
-    straight = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k}).final()
+    straight = uninterrupted(strategy, _module())
     scenario({"strategy": strategy, "module": _module(), "max_steps": k, "model_checkpoint": callback})
     saved = sorted(p.name for p in dirpath.iterdir())
     assert "last.ckpt" in saved

@@ -6,6 +6,7 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
+        _NOW["step"] = trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -148,14 +150,34 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 class SaveAtStep(Callback):
-    """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``."""
+    """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``. ``paths``: a path per
+    step (``{"2": ...}``) instead of ``path``; ``catch``: steps whose save records a ``CheckpointSaveError`` instead of
+    raising it. Each save's blocked seconds (and error) go to ``saves<rank>.json``."""
 
-    def __init__(self, step: int | list[int], path: str) -> None:
+    def __init__(
+        self, step: int | list[int], path: str, out: Path, paths: dict[str, str] | None = None, catch: list[int] = ()
+    ) -> None:
         self.steps, self.path = [step] if isinstance(step, int) else step, path
+        self.out, self.paths, self.catch = out, paths or {}, catch
+        self.records: list[dict[str, Any]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step in self.steps:
-            trainer.save_checkpoint(self.path)
+        from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
+
+        step = trainer.global_step
+        if step not in self.steps:
+            return
+        record: dict[str, Any] = {"step": step, "error": None}
+        started = time.perf_counter()
+        try:
+            trainer.save_checkpoint(self.paths.get(str(step), self.path))
+        except CheckpointSaveError as err:
+            if step not in self.catch:
+                raise
+            record["error"] = str(err)
+        record["seconds"] = time.perf_counter() - started
+        self.records.append(record)
+        write_json(self.out, f"saves{trainer.global_rank}.json", self.records)
 
 
 class Soak(Callback):
@@ -220,6 +242,53 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
     dcp.save = counting_dcp_save
 
 
+_NOW = {"step": 0}  # the last finished training step, for probes that run in the background
+
+
+def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_events: bool) -> None:
+    """``slow_writes``: each checkpoint write first sleeps that many seconds; ``later_step_s``: it first waits until
+    training finished a step after the one reached when the write began (at most that many seconds: only for a save
+    no later save waits for). Either way it records the step reached (``writes<rank>.json``). ``record_events``:
+    every checkpoint commit and removal, in order (``events<rank>.json``)."""
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    from lightning_gaudi_fsdp import _compat
+    from lightning_gaudi_fsdp.checkpoint import commit
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    writes: list[int] = []
+    events: list[list[Any]] = []
+
+    def slowed(real: Any) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(slow_writes)
+            step, deadline = _NOW["step"], time.monotonic() + later_step_s
+            while _NOW["step"] <= step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            writes.append(_NOW["step"])
+            write_json(out, f"writes{rank}.json", writes)
+            return real(*args, **kwargs)
+
+        return write
+
+    def recorded(kind: str, real: Any, arg: int) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = real(*args, **kwargs)
+            events.append([kind, Path(args[arg]).name, _NOW["step"]])
+            write_json(out, f"events{rank}.json", events)
+            return result
+
+        return call
+
+    if slow_writes or later_step_s:
+        formats.save_file = slowed(formats.save_file)
+        _compat.dcp_save = slowed(_compat.dcp_save)
+    if record_events:
+        commit.commit = recorded("commit", commit.commit, 1)
+        io = torch_io.TorchCheckpointIO
+        io.remove_checkpoint = recorded("remove", io.remove_checkpoint, 1)  # type: ignore[method-assign]
+
+
 def lightning_stock_strategy(strategy_cfg: dict[str, Any]) -> Any:
     """Lightning's own ``FSDPStrategy``, changed only where it cannot run on CPU with torch 2.13: FSDP is handed a
     CPU device where Lightning passes ``root_device.index`` (None on CPU), full state dicts skip the
@@ -273,6 +342,10 @@ def main() -> None:
         kill_launcher_after_spawn()
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"])
+    if cfg.get("slow_writes") or cfg.get("writes_after_a_later_step") or cfg.get("record_events"):
+        arm_write_probes(
+            out, cfg.get("slow_writes", 0), cfg.get("writes_after_a_later_step", 0), bool(cfg.get("record_events"))
+        )
     L.seed_everything(cfg.get("seed", 7), workers=True)
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})
@@ -290,7 +363,15 @@ def main() -> None:
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
     callbacks: list[Callback] = [Probe(out, cfg)]
     if cfg.get("save_at_step"):
-        callbacks.append(SaveAtStep(cfg["save_at_step"], cfg["save_path_in_loop"]))
+        callbacks.append(
+            SaveAtStep(
+                cfg["save_at_step"],
+                cfg.get("save_path_in_loop", ""),
+                out,
+                cfg.get("save_paths_in_loop"),
+                cfg.get("catch_save_errors_at", ()),
+            )
+        )
     soak = None
     if cfg.get("soak"):
         soak = Soak(cfg["soak"]["every"], cfg["soak"]["dirpath"], cfg["soak"]["formats"])

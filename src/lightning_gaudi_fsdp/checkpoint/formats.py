@@ -188,11 +188,13 @@ def save(
     gather: storage.Gather,
     local_metadata: Mapping[str, Any] | None = None,
     check_free_space: bool | None = None,
+    process_group: Any = None,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
-    Every rank calls this; ``gather`` is an all-gather of Python objects. Nothing appears under ``path`` unless every
-    rank finished writing. If any rank fails, or free space is short before anything is written, every rank raises
+    Every rank calls this; ``gather`` is an all-gather of Python objects, over ``process_group`` (the group a sharded
+    save coordinates over; default: the default group). Nothing appears under ``path`` unless every rank finished
+    writing. If any rank fails, or free space is short before anything is written, every rank raises
     the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`)."""
     path = Path(path)
     directory = fmt != "full"
@@ -206,7 +208,7 @@ def save(
     if fmt == "full":
         writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
     elif fmt == "sharded":
-        writes = [lambda: _save_sharded(checkpoint, staging, rank)]
+        writes = [lambda: _save_sharded(checkpoint, staging, rank, process_group=process_group)]
     else:
         shard = {"model": model_state, "optimizer_states": optimizer_states}
         meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size}
@@ -270,12 +272,14 @@ def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict
     return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
 
 
-def _save_sharded(checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False) -> None:
+def _save_sharded(
+    checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False, process_group: Any = None
+) -> None:
     """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
     them on load like any other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(model_state, optimizer_states)
-    _compat.dcp_save(state, staging, no_dist=no_dist)
+    _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]

@@ -279,6 +279,26 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def failures_of(error: BaseException, rank: int, stage: str) -> list[Failure]:
+    """What ``error``, raised on ``rank`` by a save, says failed: a :class:`CheckpointSaveError`'s own failures (already
+    agreed by every rank), else one failure of ``rank`` in ``stage`` with the error's first line."""
+    if isinstance(error, CheckpointSaveError):
+        return list(error.failures)
+    shown = _os_error_in(error) or error
+    return [Failure(rank, stage, "", _first_line(shown), "see the error chained on the failed rank")]
+
+
+def merge_reports(reports: Sequence[Sequence[Failure]]) -> list[Failure]:
+    """One failure per failed rank from every rank's report (``reports[r]``: what rank ``r`` reported); a rank's
+    account of its own failure wins over another rank's."""
+    failures: dict[int, Failure] = {}
+    for reporter, reported in enumerate(reports):
+        for failure in reported:
+            if failure.rank not in failures or failure.rank == reporter:
+                failures[failure.rank] = failure
+    return list(failures.values())
+
+
 # ------------------------------------------------------------------------------------------------ the protocol
 class _Attempt:
     def __init__(self, path: Path, *, directory: bool, rank: int, gather: Gather) -> None:
@@ -322,13 +342,9 @@ class _Attempt:
                 log.error(f"[rank {self.rank}] saving {str(self.path)!r} {stage}: {_first_line(error)}")
             raise
         self.world_size = len(gathered)
-        failures: dict[int, Failure] = {}
-        for reporter, (_, reported) in enumerate(gathered):
-            for failure in reported:  # a rank's account of its own failure wins over another rank's
-                if failure.rank not in failures or failure.rank == reporter:
-                    failures[failure.rank] = failure
+        failures = merge_reports([reported for _, reported in gathered])
         if failures:
-            self.fail(list(failures.values()), error)
+            self.fail(failures, error)
         return [res for res, _ in gathered]
 
     def fail(self, failures: list[Failure], error: BaseException | None) -> None:

@@ -1,0 +1,100 @@
+"""Staging a checkpoint into host memory, so that training can go on while the copy is written.
+
+:class:`HostStager` copies every tensor of a checkpoint (plain tensors, the local shards of a ``ShardedTensor`` and
+of a ``DTensor``) into CPU buffers it keeps from one save to the next: a checkpoint of the same model lands in the
+same buffers each time, so after the first save staging allocates nothing. Containers are rebuilt around the copies
+and every other value is deep-copied, so nothing in the staged checkpoint changes when training does. Nothing here
+knows state-dict formats, files or process groups.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+_Path = tuple[Any, ...]
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+class HostStager:
+    """Copies checkpoints into reusable host buffers (one set per stager; see the module docstring).
+
+    The buffers of a staged checkpoint are overwritten by the next :meth:`stage`: stage again only once the previous
+    copy has been written."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[_Path, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the buffers hold now."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, obj: Any) -> Any:
+        """A copy of ``obj`` whose tensors live in this stager's host buffers."""
+        used: dict[_Path, torch.Tensor] = {}
+        memo: dict[int, Any] = {}  # one tensor seen twice (tied weights) stays one tensor
+        with torch.no_grad():
+            staged = self._copy(obj, (), used, memo)
+        self._buffers = used  # buffers of entries that disappeared are dropped
+        return staged
+
+    def release(self) -> None:
+        """Drop the buffers (a later :meth:`stage` allocates them again)."""
+        self._buffers = {}
+
+    def _copy(self, value: Any, path: _Path, used: dict[_Path, torch.Tensor], memo: dict[int, Any]) -> Any:
+        if isinstance(value, _IMMUTABLE):
+            return value
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, torch.Tensor):
+            staged = self._tensor(value, path, used)
+            memo[id(value)] = staged
+            return staged
+        if isinstance(value, dict):
+            staged = copy.copy(value)  # the same mapping type (OrderedDict, AttributeDict...), refilled below
+            for key, item in value.items():
+                staged[key] = self._copy(item, (*path, key), used, memo)
+            return staged
+        if isinstance(value, list):
+            return [self._copy(item, (*path, i), used, memo) for i, item in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [self._copy(item, (*path, i), used, memo) for i, item in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    def _tensor(self, value: torch.Tensor, path: _Path, used: dict[_Path, torch.Tensor]) -> torch.Tensor:
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, ShardedTensor):
+            if any(shard.tensor.device.type != "cpu" for shard in value.local_shards()):
+                value = value.cpu()  # placements must name the device the staged shards live on
+            metadata = copy.deepcopy(value.metadata())
+            metadata.tensor_properties.pin_memory = False
+            metadata.tensor_properties.requires_grad = False
+            shards = [
+                Shard(self._buffer(shard.tensor, (*path, "shard", i), used), shard.metadata)
+                for i, shard in enumerate(value.local_shards())
+            ]
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, metadata, process_group=value._process_group
+            )
+        if isinstance(value, DTensor):
+            # DTensor's private constructor, as torch's own staging (_create_cpu_state_dict) does: from_local would
+            # move the host copy back onto the mesh's device.
+            local = self._buffer(value._local_tensor, (*path, "local"), used)
+            return DTensor(local, value._spec, requires_grad=False)
+        return self._buffer(value, path, used)
+
+    def _buffer(self, tensor: torch.Tensor, path: _Path, used: dict[_Path, torch.Tensor]) -> torch.Tensor:
+        source = tensor.detach()
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+        buffer.copy_(source)
+        used[path] = buffer
+        return buffer

@@ -1,0 +1,182 @@
+"""Staging into host buffers and the background saver, in one process (no process group); the 2-rank behaviour is
+in tests/distributed/test_async_save.py and test_resume.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gaudi_fsdp.checkpoint import background, formats
+from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+from lightning_gaudi_fsdp.checkpoint.staging import HostStager
+from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
+
+pytestmark = pytest.mark.versions
+
+Pair = namedtuple("Pair", "a b")
+
+
+def _alone(obj):
+    return [obj]
+
+
+def _checkpoint() -> dict:
+    weight = torch.arange(6.0).reshape(2, 3)
+    return {
+        "state_dict": OrderedDict(weight=weight, tied=weight, bias=torch.zeros(3).t()),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}}, "lr": 0.1}],
+        "loops": {"pair": Pair(torch.ones(1), [1, 2]), "names": ["a", "b"]},
+        "epoch": 2,
+    }
+
+
+def test_staged_checkpoint_does_not_change_with_training_and_reuses_its_buffers():
+    stager, checkpoint = HostStager(), _checkpoint()
+    staged = stager.stage(checkpoint)
+    model, optim = checkpoint["state_dict"], checkpoint["optimizer_states"][0]
+    model["weight"].add_(100)  # training goes on: parameters, optimizer state and loop state change in place
+    optim["state"][0]["exp_avg"].mul_(0)
+    checkpoint["loops"]["names"].append("c")
+    assert torch.equal(staged["state_dict"]["weight"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(staged["optimizer_states"][0]["state"][0]["exp_avg"], torch.ones(2, 3))
+    assert staged["loops"]["names"] == ["a", "b"]
+    assert staged["state_dict"]["tied"] is staged["state_dict"]["weight"]  # one tensor stays one tensor
+    assert type(staged["state_dict"]) is OrderedDict
+    assert isinstance(staged["loops"]["pair"], Pair)
+    assert staged["epoch"] == 2
+    assert stager.nbytes == (6 + 3 + 1 + 6 + 1) * 4
+
+    pointers = {k: v.data_ptr() for k, v in staged["state_dict"].items()}
+    again = stager.stage(checkpoint)  # the next save of the same model lands in the same buffers
+    assert {k: v.data_ptr() for k, v in again["state_dict"].items()} == pointers
+    assert torch.equal(again["state_dict"]["weight"], torch.arange(6.0).reshape(2, 3) + 100)
+
+    checkpoint["state_dict"]["weight"] = torch.zeros(4)  # a changed shape gets a buffer of its own
+    del checkpoint["optimizer_states"]
+    third = stager.stage(checkpoint)
+    assert third["state_dict"]["weight"].shape == (4,)
+    assert stager.nbytes == (4 + 6 + 3 + 1) * 4  # buffers of entries that disappeared are dropped
+    stager.release()
+    assert stager.nbytes == 0
+
+
+class _SlowWrite:
+    """A write that waits until the test lets it go, recording what it saw."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.go, self.fail, self.seen = threading.Event(), fail, []
+
+    def __call__(self, staged, gather, group) -> None:
+        assert self.go.wait(10)
+        self.seen.append((staged, gather("ok"), group))
+        if self.fail is not None:
+            raise self.fail
+
+
+def test_save_returns_at_once_and_removals_wait_for_the_commit():
+    saver, write, order = BackgroundSaver(), _SlowWrite(), []
+    saver.save({"w": torch.ones(2)}, Path("new.ckpt"), write, rank=0, gather=_alone)
+    assert saver.in_flight
+    saver.defer_removal(lambda: order.append("removed old"))
+    assert order == []  # asked right after save_checkpoint returned: the new one is not written yet
+    write.go.set()
+    saver.finish(rank=0, gather=_alone)
+    assert order == ["removed old"]
+    staged, gathered, group = write.seen[0]
+    assert torch.equal(staged["w"], torch.ones(2))
+    assert (gathered, group) == (["ok"], None)  # no process group here: the thread's gather is this rank alone
+    saver.defer_removal(lambda: order.append("now"))  # nothing in flight: at once
+    assert order == ["removed old", "now"]
+
+
+def test_a_failed_background_save_raises_at_the_next_save_and_keeps_the_older_checkpoint():
+    saver, order = BackgroundSaver(), []
+    write = _SlowWrite(fail=OSError(28, "No space left on device"))
+    saver.save({"w": torch.ones(2)}, Path("/ckpts/new.ckpt"), write, rank=0, gather=_alone)
+    saver.defer_removal(lambda: order.append("removed old"))
+    write.go.set()
+    with pytest.raises(CheckpointSaveError) as raised:
+        saver.save({"w": torch.ones(2)}, Path("/ckpts/next.ckpt"), _SlowWrite(), rank=0, gather=_alone)
+    message = str(raised.value)
+    assert message.startswith("Cannot save checkpoint '/ckpts/new.ckpt': failed while writing in the background")
+    assert "No space left on device" in message
+    assert isinstance(raised.value.__cause__, OSError)
+    assert order == []  # the older checkpoint stays: its replacement never committed
+    assert not saver.in_flight  # the failed save is reported once; the next save did not start
+    saver.finish(rank=0, gather=_alone)
+
+
+def test_a_failure_at_the_end_of_fit_raises_on_every_rank_with_each_ranks_account():
+    saver, write = BackgroundSaver(), _SlowWrite(fail=RuntimeError("boom"))
+    write.go.set()
+    saver.save({}, Path("c.ckpt"), write, rank=0, gather=_alone)
+    peer = background.storage.failures_of(OSError(30, "Read-only file system"), 1, background.STAGE)
+
+    def gather(obj):  # rank 1 failed too, for its own reason
+        return [obj, peer]
+
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"ranks 0, 1 failed while writing in the background: RuntimeError: boom; OSError: \[Errno 30\] Read-only",
+    ):
+        saver.finish(rank=0, gather=gather)
+    assert not saver.active
+
+
+def test_after_an_interrupted_run_a_failure_is_logged_not_raised(caplog):
+    saver, write = BackgroundSaver(), _SlowWrite(fail=RuntimeError("peer gone"))
+    write.go.set()
+    saver.save({}, Path("c.ckpt"), write, rank=0, gather=_alone)
+    with caplog.at_level(logging.ERROR):
+        saver.finish(rank=0, gather=None, interrupted=True)  # type: ignore[arg-type] - no collective may run
+    assert "the background save of 'c.ckpt' failed: peer gone" in caplog.text
+
+
+def test_a_save_waits_for_the_one_in_flight_and_says_so_when_that_takes_long(monkeypatch, caplog):
+    monkeypatch.setattr(background, "LONG_WAIT_S", 0.05)
+    saver, first = BackgroundSaver(), _SlowWrite()
+    saver.save({}, Path("first.ckpt"), first, rank=0, gather=_alone)
+    threading.Timer(0.3, first.go.set).start()
+    second = _SlowWrite()
+    second.go.set()
+    with caplog.at_level(logging.WARNING):
+        blocked = saver.save({}, Path("second.ckpt"), second, rank=0, gather=_alone)
+    assert blocked >= 0.25  # it waited for the first one
+    assert first.seen  # which had finished before the second began
+    assert "the save of 'second.ckpt' waits for the background save of 'first.ckpt'" in caplog.text
+    saver.finish(rank=0, gather=_alone)
+    assert second.seen
+
+
+def test_a_real_save_appears_only_once_committed(tmp_path):
+    saver, go = BackgroundSaver(), threading.Event()
+    real = formats.save_file
+
+    def held(obj, file):
+        assert go.wait(10)
+        real(obj, file)
+
+    path = tmp_path / "model.ckpt"
+    checkpoint = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 3}
+
+    def write(staged, gather, group):
+        formats.save_file = held
+        try:
+            formats.save("full", staged, path, rank=0, world_size=1, gather=gather, process_group=group)
+        finally:
+            formats.save_file = real
+
+    saver.save(checkpoint, path, write, rank=0, gather=_alone)
+    checkpoint["state_dict"]["w"].zero_()
+    assert not path.exists()  # nothing under the final name while the write is in flight
+    go.set()
+    saver.finish(rank=0, gather=_alone)
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved["state_dict"]["w"], torch.arange(4.0))
+    assert saved["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
