@@ -1,9 +1,10 @@
 """Lightning FSDP on Intel Gaudi (HPU), rehearsable on CPU processes.
 
-Importing this package registers, once and only where the names are free:
+Importing this package registers, once and only where the names are free, for the Trainer and for Fabric:
 
-- the ``hpu`` accelerator in Lightning's ``AcceleratorRegistry`` (Lightning >= 2.5.6 ships none);
-- the strategy names ``gaudi_fsdp`` and ``hpu_fsdp`` (lightning-habana's name) in the ``StrategyRegistry``.
+- the ``hpu`` accelerator in Lightning's accelerator registries (Lightning >= 2.5.6 ships none);
+- the strategy names ``gaudi_fsdp`` and ``hpu_fsdp`` (lightning-habana's name) in the strategy registries: the
+  Trainer's :class:`GaudiFSDPStrategy` and Fabric's :class:`lightning_gaudi_fsdp.fabric.GaudiFSDPStrategy`.
 
 It never imports ``habana_frameworks``. If lightning-habana is installed but cannot be imported (1.6.0 on Lightning
 2.6), one warning says so and everything else works.
@@ -21,15 +22,24 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """Register the ``hpu`` accelerator and the strategy names with Lightning; safe to call more than once."""
+    """Register the ``hpu`` accelerator and the strategy names with the Trainer and Fabric; safe to call more than
+    once."""
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if "hpu" not in AcceleratorRegistry:
-        AcceleratorRegistry.register(
-            "hpu", GaudiAccelerator, description="Intel Gaudi through the Habana PyTorch bridge (lightning-gaudi-fsdp)"
-        )
+    from lightning_gaudi_fsdp import fabric
+
+    for registry in (AcceleratorRegistry, ACCELERATOR_REGISTRY):
+        if "hpu" not in registry:
+            registry.register(
+                "hpu",
+                GaudiAccelerator,
+                description="Intel Gaudi through the Habana PyTorch bridge (lightning-gaudi-fsdp)",
+            )
     GaudiFSDPStrategy.register_strategies(StrategyRegistry)
+    fabric.GaudiFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def _check_lightning_habana() -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
-import socket
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +15,6 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -31,8 +28,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
-from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp import _liveness, _report, _shared, options, precision
+from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
@@ -46,7 +43,7 @@ _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
 
 
-class GaudiFSDPStrategy(FSDPStrategy):
+class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel (torch FSDP1) on Intel Gaudi, in eager mode over HCCL.
 
     With ``Trainer(accelerator="cpu")`` the same strategy runs real FSDP in CPU processes over gloo, so a
@@ -137,135 +134,23 @@ class GaudiFSDPStrategy(FSDPStrategy):
         check_free_space: bool | None = None,
         async_save: bool = False,
     ) -> None:
-        sharding = options.resolve_sharding_strategy(sharding_strategy)
-        wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
-        mesh = options.resolve_device_mesh(device_mesh)
-        options.check_hybrid_requirements(sharding, wrap_policy, process_group, mesh)
-        self._state_dict_type = options.resolve_state_dict_type(state_dict_type)
-        self._fsdp_version = options.resolve_fsdp_version(fsdp_version)
-        prefetch = options.resolve_backward_prefetch(backward_prefetch)
-        self._mp_policy = None
-        if self._fsdp_version == 2:
-            options.check_fsdp2_arguments(
-                sharding_strategy=sharding,
-                process_group=process_group,
-                backward_prefetch=prefetch,
-                limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
-                use_orig_params=options.resolve_bool(use_orig_params, "use_orig_params"),
-            )
-            self._mp_policy = options.resolve_mixed_precision_policy(mixed_precision)
-        else:
-            options.check_state_dict_type(self._state_dict_type, sharding, mesh)
+        resolved = _shared.resolve_from(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=options.resolve_process_group_backend(process_group_backend),
-            timeout=options.resolve_timeout(timeout),
-            cpu_offload=options.resolve_cpu_offload(cpu_offload),
-            mixed_precision=options.resolve_mixed_precision(mixed_precision) if self._fsdp_version == 1 else None,
-            auto_wrap_policy=wrap_policy,
-            sharding_strategy=sharding,
-            state_dict_type=self._state_dict_type,  # type: ignore[arg-type]
-            device_mesh=mesh,
-            process_group=process_group,
-            backward_prefetch=prefetch,
-            param_init_fn=options.resolve_callable(param_init_fn, "param_init_fn"),
-            sync_module_states=options.resolve_bool(sync_module_states, "sync_module_states"),
-            forward_prefetch=options.resolve_bool(forward_prefetch, "forward_prefetch"),
-            limit_all_gathers=options.resolve_bool(limit_all_gathers, "limit_all_gathers"),
-            use_orig_params=options.resolve_bool(use_orig_params, "use_orig_params"),
+            **resolved.parent,
         )
-        if process_group is None:
-            self.kwargs.pop("process_group")
-        # Kept apart from self.kwargs: Lightning would build a tuple mesh on "cuda"; we build it on our device.
-        self.kwargs.pop("device_mesh", None)
-        self._device_mesh = mesh
-        self._ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
-        self._ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
-        if self._ignored_modules is not None and self._ignored_states is not None:
-            raise ValueError("ignored_modules and ignored_states are mutually exclusive; pass only one of them")
-        self._device_id = options.resolve_device_id(device_id)
-        self._activation_checkpointing_kwargs = options.resolve_activation_checkpointing_policy(
-            activation_checkpointing_policy
-        )
-        self._compile_kwargs = options.resolve_compile(compile)
-        self._eager_pipeline = (
-            None if eager_pipeline is None else options.resolve_bool(eager_pipeline, "eager_pipeline")
-        )
-        self._keep_batch_dtypes = options.keeps_batch_dtypes(mixed_precision)
-        self._check_free_space = (
-            None if check_free_space is None else options.resolve_bool(check_free_space, "check_free_space")
-        )
+        _shared.adopt(self, resolved, self.kwargs)
+        # Trainer only: Fabric's saves stay synchronous
         self._background = BackgroundSaver(self._timeout) if options.resolve_bool(async_save, "async_save") else None
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
 
     # ------------------------------------------------------------------------------------------- devices, backend
-    @property
-    def _on_hpu(self) -> bool:
-        return bool(self.parallel_devices) and self.parallel_devices[0].type == "hpu"  # type: ignore[index]
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self._on_hpu:
-            return gaudi.current_device()
-        return super().root_device
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        device_type = self.root_device.type
-        backend = self._process_group_backend
-        if device_type == "hpu":
-            if backend not in (None, "hccl"):
-                raise ValueError(
-                    f"process_group_backend={backend!r} is not supported on Gaudi; expected 'hccl' (or None)"
-                )
-            return "hccl"
-        if backend is None:
-            return "gloo" if device_type == "cpu" else super()._get_process_group_backend()
-        if backend == "hccl":
-            raise ValueError(f"process_group_backend='hccl' needs accelerator='hpu'; this run uses {device_type!r}")
-        return backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._check_mesh_size(self.num_processes * self.num_nodes)  # before any process starts
-        if not self.cluster_environment.creates_processes_externally:
-            _liveness.mark_launcher()  # this process starts the other ranks (Lightning's launcher)
-        else:
-            _liveness.leave_with_launcher()  # a rank it started (a no-op under torchrun, SLURM...)
-        if self._on_hpu:
-            self._get_process_group_backend()  # a wrong backend fails before any process starts
-            gaudi.ensure_eager_mode()
-            gaudi.apply_launch_environment(self._eager_pipeline)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        _liveness.leave_with_launcher()  # before the rendezvous: never wait for a launcher that is gone
-        if self._on_hpu:
-            gaudi.ensure_eager_mode()
-            gaudi.import_hccl()
-        super().setup_environment()
-        if isinstance(self._device_mesh, tuple):
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._check_mesh_size(self.world_size)
-            self._device_mesh = init_device_mesh(
-                self.root_device.type, self._device_mesh, mesh_dim_names=("replicate", "shard")
-            )
-        if self._device_mesh is not None:
-            self.kwargs["device_mesh"] = self._device_mesh
-        if self.world_size > 1 and self._heartbeat is None:
-            node = f"{socket.gethostname()}/node{self.node_rank}"
-            self._heartbeat = _liveness.Heartbeat(self.global_rank, self.world_size, node)
-            self._heartbeat.start()
-
     @override
     def teardown(self) -> None:
         try:
@@ -290,28 +175,9 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning sends ``ReduceOp.AVG`` for ``"mean"`` on every backend but gloo (``self.log(sync_dist=True)``
-        and ``strategy.reduce``); HCCL offers SUM, MIN and MAX only, so on ``hccl`` a mean is a sum divided by the
-        group's size."""
-        if (
-            isinstance(tensor, torch.Tensor)
-            and self.process_group_backend == "hccl"
-            and _is_mean(reduce_op)
-            and torch.distributed.is_initialized()
-        ):
-            summed = super().reduce(tensor, group=group, reduce_op="sum")
-            size = torch.distributed.get_world_size(group)
-            return summed.div_(size) if torch.is_floating_point(summed) else summed.copy_(summed / size)
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def _check_mesh_size(self, world_size: int) -> None:
-        if isinstance(self._device_mesh, tuple) and world_size:
-            replicas, shard = self._device_mesh
-            if replicas * shard != world_size:
-                raise ValueError(
-                    f"device_mesh={list(self._device_mesh)} has {replicas * shard} devices but the world size is "
-                    f"{world_size}; replicas x shard_size must equal num_nodes x devices"
-                )
+        """On ``hccl`` a mean (``self.log(sync_dist=True)``, ``strategy.reduce``) is a sum divided by the group's
+        size: HCCL has no AVG."""
+        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().reduce)
 
     # ---------------------------------------------------------------------------------------------------- precision
     @property
@@ -325,34 +191,12 @@ class GaudiFSDPStrategy(FSDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None and not isinstance(precision_plugin, FSDPPrecision):
-            raise TypeError(
-                f"GaudiFSDPStrategy works with FSDP precision plugins only, got {type(precision_plugin).__name__}"
-            )
-        if isinstance(precision_plugin, FSDPPrecision) and not isinstance(precision_plugin, GaudiFSDPPrecision):
-            # Lightning's connector builds a plain FSDPPrecision (CUDA autocast and scaler); swap in ours.
-            # (A custom scaler cannot arrive this way: Lightning's FSDPPrecision refuses any scaler argument.)
-            precision_plugin = GaudiFSDPPrecision(precision_plugin.precision)
+        precision_plugin = precision.adopt(precision_plugin, FSDPPrecision, GaudiFSDPPrecision)
         self._precision_plugin = precision_plugin
 
     # -------------------------------------------------------------------------------------------------- wrapping
     def _fsdp_device(self) -> torch.device:
-        device_id = self._device_id
-        if device_id is None:
-            return self.root_device
-        if isinstance(device_id, int):
-            return torch.device(self.root_device.type, device_id)
-        return torch.device(device_id)
-
-    def _resolve_ignored(self, module: Module) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        if self._ignored_modules is not None:
-            kwargs["ignored_modules"] = options.resolve_submodules(module, self._ignored_modules, "ignored_modules")
-        if self._ignored_states is not None:
-            kwargs["ignored_states"] = options.resolve_submodules(
-                module, self._ignored_states, "ignored_states", allow_parameters=True
-            )
-        return kwargs
+        return _shared.fsdp_device(self)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -369,34 +213,14 @@ class GaudiFSDPStrategy(FSDPStrategy):
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
                 self._cache_off_in_training = activation.apply_cache_off_in_training(model)
+            if isinstance(model, FSDP):
+                _shared.keep_batch_dtypes(self, model)
         else:
             self._warn_if_precision_overlaps()
-            kwargs = dict(self.kwargs)
-            if kwargs.get("sync_module_states") and self._fsdp_device().type == "cpu":
-                # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
-                _broadcast_module_states(model)
-                kwargs["sync_module_states"] = False
-            model = FSDP(
-                module=model,
-                cpu_offload=self._effective_cpu_offload(),
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                device_id=self._fsdp_device(),
-                **self._resolve_ignored(model),
-                **kwargs,
-            )
-            _move_torchmetrics_to_device(model, self.root_device)
-            self._cache_off_in_training = activation.apply_activation_checkpointing(
-                model, self._activation_checkpointing_kwargs
-            )
+            model = _shared.wrap_fsdp1(self, model)
         self._fsdp_root = model if isinstance(model, FSDP) else None
-        if self._fsdp_root is not None and self._keep_batch_dtypes:
-            # The units below cast their own inputs; the root (the LightningModule) leaves the batch as it is.
-            self._fsdp_root.mixed_precision = dataclasses.replace(
-                self._fsdp_root.mixed_precision, cast_forward_inputs=False, cast_root_forward_inputs=False
-            )
         if self._compile_kwargs is not None and previous is not model:
-            _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
+            _shared.compile_root(self, model)
         self.precision_plugin.attach(model)
         return model
 
@@ -405,74 +229,19 @@ class GaudiFSDPStrategy(FSDPStrategy):
 
         if fsdp2.is_fsdp2(model):  # validate/test/predict after fit: already sharded in place
             return model
-        ignored = self._resolve_ignored(model)
-        ignored_params = _ignored_parameters(ignored)
-        if self.kwargs.get("sync_module_states"):
-            _broadcast_module_states(model)
-        self._cache_off_in_training = activation.apply_activation_checkpointing(
-            model, self._activation_checkpointing_kwargs
-        )
-        units = fsdp2.select_units(model, self.kwargs.get("auto_wrap_policy"), ignored.get("ignored_modules", ()))
-        fsdp2.apply_fsdp2(
-            model,
-            units,
-            mesh=self._fsdp2_mesh(),
-            reshard_after_forward=self.sharding_strategy
-            in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-            mp_policy=self._mp_policy,
-            offload_policy=self._fsdp2_offload_policy(),
-            ignored_params=ignored_params,
-            root_casts_inputs=not self._keep_batch_dtypes,
-        )
-        param_init_fn = self.kwargs.get("param_init_fn")
-        fsdp2.materialize_meta(model, self._fsdp_device(), param_init_fn)
-        if self.kwargs.get("forward_prefetch"):
-            fsdp2.set_forward_prefetch(units)
-        if self.process_group_backend == "hccl":
-            fsdp2.force_sum_reductions(model)
-        _move_torchmetrics_to_device(model, self.root_device)
-        self._fsdp_root = model
+        _shared.shard_fsdp2(self, model)
         if self._compile_kwargs is not None:
-            _report.compiled_units(_apply_compile(model, self._compile_kwargs, self.root_device.type))
+            _shared.compile_root(self, model)
         self.precision_plugin.attach(model)
         return model
-
-    def _fsdp2_mesh(self) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-        mesh = self._device_mesh
-        if isinstance(mesh, DeviceMesh):
-            return mesh
-        if self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-            # (replicate, shard): default one replica per node, sharded over the node's devices
-            shape = (self.num_nodes, self.num_processes)
-            self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        return self._device_mesh
-
-    def _fsdp2_offload_policy(self) -> Any:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        offload = self._effective_cpu_offload()
-        return CPUOffloadPolicy() if offload.offload_params else None
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        kwargs = {k: v for k, v in self.kwargs.items() if k != "auto_wrap_policy"}
-        with enable_wrap(
-            wrapper_cls=FSDP,
-            cpu_offload=self._effective_cpu_offload(warn=False),
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self._fsdp_device(),
-            **kwargs,
-        ):
+        with enable_wrap(**_shared.wrap_context_kwargs(self)):
             yield
 
     @override
@@ -567,12 +336,7 @@ class GaudiFSDPStrategy(FSDPStrategy):
         return output
 
     def _effective_cpu_offload(self, warn: bool = True) -> CPUOffload:
-        if self.cpu_offload.offload_params and self._fsdp_device().type == "cpu":
-            # FSDP pins offloaded shards, which needs an accelerator; on a CPU run they already live in CPU memory.
-            if warn:
-                rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
-            return CPUOffload(offload_params=False)
-        return self.cpu_offload
+        return _shared.effective_cpu_offload(self, warn)
 
     def _warn_if_precision_overlaps(self) -> None:
         plugin_precision = self.precision_plugin.precision
@@ -677,52 +441,18 @@ class GaudiFSDPStrategy(FSDPStrategy):
         if weights_only is None:
             weights_only = _fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
-        strict = self.lightning_module.strict_loading
-        device_type = self.root_device.type
-        pending, error = None, None
-        try:
-            pending = loading.check_load(
-                path,
-                model,
-                world_size=self.world_size,
-                rank=self.global_rank,
-                device_type=device_type,
-                strict=strict,
-                weights_only=weights_only is not False,
-            )
-        except formats.CheckpointError as err:
-            error = err.problem
-        # Every rank learns of any rank's problem before weights change: nobody waits in a collective alone.
-        errors = self._gather_objects(error)
-        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-        if failed or pending is None:
-            rank, problem = failed[0] if failed else (self.global_rank, str(error))
-            raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return loading.apply_load(
-            pending,
+        return _shared.load_agreed(
+            self,
+            path,
             model,
             self.optimizers,
-            device_type=device_type,
-            strict=strict,
-            load_optimizers=fitting and bool(self.optimizers),
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only is not False,
+            load_optimizers=self.lightning_module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers),
         )
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, obj)
-        return gathered
-
-    # -------------------------------------------------------------------------------------------------- registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        description = "FSDP on Intel Gaudi (eager mode, HCCL); CPU processes over gloo for rehearsal"
-        for name in ("gaudi_fsdp", "hpu_fsdp"):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description)
+        return _shared.gather_objects(obj, self.world_size)
 
 
 def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
@@ -787,31 +517,6 @@ def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator
             hook.remove()
 
 
-def _apply_compile(model: Module, kwargs: Mapping[str, Any], device_type: str) -> list[str]:
-    """Compile the FSDP root in place (``nn.Module.compile``): the module stays an FSDP instance, so checkpoint
-    contexts keep working, and dynamo traces through FSDP's hooks (it needs ``use_orig_params=True``)."""
-    kwargs = dict(kwargs)
-    kwargs.setdefault("backend", gaudi.default_compile_backend(device_type))
-    gaudi.prepare_compile_backend(kwargs["backend"])
-    model.compile(**kwargs)
-    return [""]
-
-
-def _broadcast_module_states(module: Module) -> None:
-    """Copy rank 0's parameters and buffers to every rank (what ``sync_module_states`` does on accelerators)."""
-    states = [t for t in (*module.parameters(), *module.buffers())]
-    if any(t.is_meta for t in states):
-        raise ValueError(
-            "sync_module_states=True on CPU needs a materialised model, but it has meta-device tensors; "
-            "use param_init_fn (or reset_parameters) with the same seed on every rank instead"
-        )
-    if not torch.distributed.is_initialized():
-        return
-    with torch.no_grad():
-        for tensor in states:
-            torch.distributed.broadcast(tensor.data, src=0)
-
-
 def _count_param_groups(optimizers: Any) -> int:
     from torch.optim import Optimizer
 
@@ -828,23 +533,3 @@ def _count_param_groups(optimizers: Any) -> int:
 
     visit(optimizers)
     return max((len(opt.param_groups) for opt in found), default=0)
-
-
-def _ignored_parameters(ignored: Mapping[str, Any]) -> set[Parameter] | None:
-    """FSDP2's ``ignored_params`` from FSDP1's ``ignored_modules``/``ignored_states`` (modules count with every
-    parameter they hold)."""
-    items = [*ignored.get("ignored_modules", ()), *ignored.get("ignored_states", ())]
-    if not items:
-        return None
-    params: set[Parameter] = set()
-    for item in items:
-        params.update(item.parameters() if isinstance(item, Module) else [item])
-    return params
-
-
-def _is_mean(reduce_op: Any) -> bool:
-    from torch.distributed import ReduceOp
-
-    if isinstance(reduce_op, str):
-        return reduce_op.lower() in ("mean", "avg")
-    return reduce_op == ReduceOp.AVG

@@ -150,10 +150,10 @@ def unit_names(model: Module) -> dict[str, int]:
     return dict(reversed(list(sizes.items())))
 
 
-def clip_grad_norm_(model: Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip by the global norm over every rank's gradient shards (DTensors reduce across the mesh)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     from torch.distributed.tensor import DTensor
 
     return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1,0 +1,330 @@
+"""``GaudiFSDPStrategy`` for Lightning Fabric: the same FSDP on Intel Gaudi (or CPU processes over gloo) as the
+Trainer's strategy, with the same arguments, engines and checkpoints.
+
+The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are two thin doors onto :mod:`._shared`
+(argument resolution, Gaudi runtime, wrapping with either engine, checked loading), :mod:`.precision` and
+:mod:`.checkpoint`; here are only Fabric's hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+from lightning.fabric.strategies import FSDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _Stateful
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gaudi_fsdp import _shared, precision
+from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine import fsdp2
+from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
+
+if TYPE_CHECKING:
+    from lightning.fabric.accelerators import Accelerator
+    from lightning.fabric.utilities.types import _PATH
+
+FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # which entries of Fabric's `state` went where in the checkpoint
+_TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+
+
+class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
+    r"""Fully Sharded Data Parallel on Intel Gaudi for Lightning Fabric, rehearsable on CPU processes over gloo.
+
+    Takes the arguments of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there), resolved and
+    checked by the same code before any process starts, with ``precision`` in place of ``precision_plugin`` and
+    without ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``). ``fsdp_version`` picks the
+    engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``).
+
+    ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
+    ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
+    resumes from it and Fabric loads the Trainer's checkpoints. ``fabric.load(path, state)`` detects the format on
+    disk, checks it on every rank before any weight changes, restores the model, the optimizers and every object with
+    ``load_state_dict`` (schedulers...) in place, and puts plain values back into ``state``.
+    """
+
+    strategy_name = "gaudi_fsdp"
+    _heartbeat_on = False  # Fabric has no on_exception hook to report through
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+        process_group: Any = None,
+        device_mesh: tuple[int, int] | list[int] | DeviceMesh | None = None,
+        cpu_offload: bool | CPUOffload = False,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
+        mixed_precision: dict[str, Any] | MixedPrecision | None = None,
+        ignored_modules: list[str] | list[Module] | None = None,
+        ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
+        param_init_fn: str | Callable[[Module], None] | None = None,
+        device_id: int | str | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = True,
+        state_dict_type: str = "full",
+        activation_checkpointing_policy: Any = None,
+        compile: bool | dict[str, Any] = False,
+        eager_pipeline: bool | None = None,
+        fsdp_version: int = 1,
+        check_free_space: bool | None = None,
+    ) -> None:
+        resolved = _shared.resolve_from(locals())
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            **resolved.parent,
+        )
+        _shared.adopt(self, resolved, self._fsdp_kwargs)
+        self._backward_sync_control = _NoSync()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The FSDP keyword arguments (the Trainer's strategy calls them ``kwargs``)."""
+        return self._fsdp_kwargs
+
+    # ---------------------------------------------------------------------------------------------------- precision
+    @property
+    @override
+    def precision(self) -> GaudiFabricFSDPPrecision:
+        plugin = self._precision
+        if plugin is None:
+            plugin = self._precision = GaudiFabricFSDPPrecision("32-true")
+        return plugin  # type: ignore[return-value]
+
+    @precision.setter
+    @override
+    def precision(self, plugin: Precision | None) -> None:
+        self._precision = precision.adopt(plugin, FSDPPrecision, GaudiFabricFSDPPrecision)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.precision.set_device_type(self.root_device.type)
+
+    # ----------------------------------------------------------------------------------------------------- modules
+    @override
+    def setup_module(self, module: Module) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if self._fsdp_version == 2:
+            if not fsdp2.is_fsdp2(module):
+                _shared.shard_fsdp2(self, module)
+        elif any(isinstance(m, FSDP) for m in module.modules()):
+            module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
+            if isinstance(module, FSDP):
+                _shared.keep_batch_dtypes(self, module)
+        else:
+            module = _shared.wrap_fsdp1(self, module)
+        if self._compile_kwargs is not None:
+            _shared.compile_root(self, module)
+        self.precision.attach(module)
+        return module
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        if self._fsdp_version == 2:
+            return nullcontext()  # fully_shard has no wrap() to configure
+        return enable_wrap(**_shared.wrap_context_kwargs(self))
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the norm over every shard on every rank, on either engine."""
+        self.precision.unscale_gradients(optimizer)
+        return _shared.clip_grad_norm(module, max_norm, norm_type)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
+
+    # ------------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write ``state`` to ``path`` in ``state_dict_type``'s format (see the class docstring)."""
+        if storage_options is not None:
+            raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
+        if filter is not None:
+            raise NotImplementedError("GaudiFSDPStrategy.save_checkpoint does not take filter; save a smaller state")
+        path = Path(self.broadcast(str(path)))
+        model_key, model = _find_model(state)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+        fmt, device_type = self._state_dict_type, self.root_device.type
+        clash = [key for key in state if key in _TRAINER_KEYS or key == FABRIC_KEYS]
+        if clash:
+            raise ValueError(f"state keys {clash} are reserved for the checkpoint layout; rename them")
+        others = {
+            key: obj.state_dict() if isinstance(obj, _Stateful) else obj
+            for key, obj in state.items()
+            if key != model_key and key not in optimizers
+        }
+        schedulers = [key for key, obj in state.items() if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
+        checkpoint: dict[str, Any] = {
+            "state_dict": formats.model_state_dict(model, fmt, device_type),
+            "optimizer_states": [
+                formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank)
+                for opt in optimizers.values()
+            ],
+            "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
+            **others,
+            FABRIC_KEYS: {"model": model_key, "optimizers": list(optimizers), "schedulers": schedulers},
+        }
+        metadata = _shared.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
+        formats.save(
+            fmt,
+            checkpoint,
+            path,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            gather=lambda obj: _shared.gather_objects(obj, self.world_size),
+            local_metadata=metadata,
+            check_free_space=self._check_free_space,
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from ``path`` (any format, written by this strategy in Fabric or in the Trainer).
+
+        ``state`` holds the model (set up by Fabric), optionally its optimizers and any other entries; a bare model
+        loads its weights only. ``strict``: the model's keys must match the checkpoint's and every requested entry
+        must be in it (``KeyError`` otherwise), as Fabric documents. Returns what the checkpoint holds beyond
+        ``state``. ``weights_only=False`` unpickles without restriction (a trusted checkpoint only)."""
+        if not state:
+            raise ValueError(
+                "GaudiFSDPStrategy.load_checkpoint needs a state with the model to load into, e.g. "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("an optimizer alone cannot be loaded; pass {'model': model, 'optimizer': ...}")
+        path = Path(self.broadcast(str(path)))
+        entries = {"model": state} if isinstance(state, Module) else state
+        model_key, model = _find_model(entries)
+        optimizers = {key: obj for key, obj in entries.items() if isinstance(obj, Optimizer)}
+        rest = _shared.load_agreed(
+            self,
+            path,
+            model,
+            list(optimizers.values()),
+            strict=strict,
+            weights_only=weights_only is not False,
+            load_optimizers=bool(optimizers),
+        )
+        if isinstance(state, Module):
+            return {}
+        return _restore_entries(state, rest, model_key, optimizers, strict)
+
+
+def _find_model(state: dict[str, Any]) -> tuple[str, Module]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = [
+        (key, obj)
+        for key, obj in state.items()
+        if isinstance(obj, Module) and (fsdp2.is_fsdp2(obj) or any(isinstance(m, FSDP) for m in obj.modules()))
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"the state must hold exactly one model set up by Fabric (found {len(found)}); save and load each model "
+            "separately, e.g. fabric.save(path, {'model': model, 'optimizer': optimizer})"
+        )
+    return found[0]
+
+
+def _restore_entries(
+    state: dict[str, Any], rest: dict[str, Any], model_key: str, optimizers: dict[str, Optimizer], strict: bool
+) -> dict[str, Any]:
+    """Everything in ``state`` besides the model and optimizers, from the checkpoint's ``rest``: objects with
+    ``load_state_dict`` in place, plain values replaced. A Trainer checkpoint has no entry per scheduler: schedulers
+    then come from its ``lr_schedulers`` in order."""
+    keys = rest.pop(FABRIC_KEYS, None)
+    trainer_schedulers = rest.pop("lr_schedulers", [])
+    for key in (formats.ENGINE_KEY, formats.PARAM_ID_NAMES_KEY, formats.OPTIMIZER_GROUPS_KEY, "optimizer_states"):
+        rest.pop(key, None)
+    requested = [key for key in state if key != model_key and key not in optimizers]
+    if keys is None:
+        saved_schedulers = iter(trainer_schedulers)
+        for key in requested:
+            if key not in rest and isinstance(state[key], torch.optim.lr_scheduler.LRScheduler):
+                rest[key] = next(saved_schedulers, None)
+                if rest[key] is None:
+                    del rest[key]
+    _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+    for key in requested:
+        if key not in rest:
+            continue
+        obj = state[key]
+        if isinstance(obj, _Stateful):
+            obj.load_state_dict(rest.pop(key))
+        else:
+            state[key] = rest.pop(key)
+    return rest
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients stay local to each rank until the next synchronised backward,
+    on either engine."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if not enabled:
+            return nullcontext()
+        if fsdp2.is_fsdp2(module):
+            return _fsdp2_no_sync(module)
+        if not isinstance(module, FSDP):
+            raise TypeError(
+                f"no_backward_sync needs the model set up by Fabric with GaudiFSDPStrategy, got {type(module).__name__}"
+            )
+        return module.no_sync()
+
+
+@contextmanager
+def _fsdp2_no_sync(module: Module) -> Generator[None, None, None]:
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]

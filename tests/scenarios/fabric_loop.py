@@ -1,0 +1,180 @@
+"""A plain Lightning Fabric loop under lightning_gaudi_fsdp.fabric.GaudiFSDPStrategy; every rank writes what it saw.
+
+Usage: python fabric_loop.py CONFIG.json (ranks started by the scenario pool, torchrun-style).
+
+Each optimizer step takes one global batch of ``GLOBAL_BATCH`` samples in ``MICRO`` micro-batches (gradient
+accumulation under ``fabric.no_backward_sync``); rank r takes rows r, r + N, ... of each micro-batch. Gradients are
+clipped by value, then by norm. Rank 0 also trains a plain copy of the initial model on the whole global batch in
+the same process (``reference``) for comparison.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import Module, RandomRegression, load_config, write_json
+from torch import nn
+from train import leave
+
+from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
+
+GLOBAL_BATCH = 8
+MICRO = 2
+STEPS_PER_EPOCH = 3
+
+
+def batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = RandomRegression(GLOBAL_BATCH * STEPS_PER_EPOCH * 4, seed=1234)
+    start = (epoch % 4) * GLOBAL_BATCH * STEPS_PER_EPOCH
+    spans = [slice(start + i * GLOBAL_BATCH, start + (i + 1) * GLOBAL_BATCH) for i in range(STEPS_PER_EPOCH)]
+    return [(data.x[span], data.y[span]) for span in spans]
+
+
+def make_optimizer(params: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def clip(cfg: dict[str, Any], fabric: L.Fabric | None, model: Any, optimizer: Any) -> float | None:
+    """Clip by value, then by norm; returns the norm before clipping."""
+    value, norm = cfg.get("clip_value"), cfg.get("clip_norm")
+    if fabric is None:
+        if value:
+            nn.utils.clip_grad_value_(model.parameters(), value)
+        return float(nn.utils.clip_grad_norm_(model.parameters(), norm)) if norm else None
+    if value:
+        fabric.clip_gradients(model, optimizer, clip_val=value)
+    return float(fabric.clip_gradients(model, optimizer, max_norm=norm)) if norm else None
+
+
+def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
+    state = formats.model_state_dict(model._forward_module, "full", "cpu")
+    return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
+
+
+def main() -> None:
+    cfg = load_config()
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    strategy: Any = cfg.get("strategy_name") or GaudiFSDPStrategy(**cfg.get("strategy", {}))
+    fabric = L.Fabric(
+        accelerator="cpu", devices=cfg.get("devices", 2), strategy=strategy, precision=cfg.get("precision", "32-true")
+    )
+    fabric.launch()
+    rank, world = fabric.global_rank, fabric.world_size
+    fabric.seed_everything(7)
+    with fabric.init_module(empty_init=True):
+        module = Module(depth=3)
+    info: dict[str, Any] = {
+        "rank": rank,
+        "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+    }
+    info["meta_before_setup"] = all(p.is_meta for p in module.parameters())
+    model = fabric.setup_module(module)
+    optimizer, scheduler = make_optimizer(model.parameters())
+    optimizer = fabric.setup_optimizers(optimizer)
+    info["precision"] = type(fabric.strategy.precision).__name__
+    info["engine"] = fabric.strategy._fsdp_version
+    initial = full_weights(model, rank)
+
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "epoch": 0,
+        "global_step": 0,
+    }
+    for key in cfg.get("drop_keys", []):
+        del state[key]
+    if cfg.get("load"):
+        remainder = fabric.load(cfg["load"], state, strict=cfg.get("strict", True))
+        info["scheduler_same_object"] = state["scheduler"] is scheduler
+        info["scheduler_last_epoch"] = scheduler.last_epoch
+        info["remainder_keys"] = sorted(remainder)
+        info["loaded"] = {k: state[k] for k in ("epoch", "global_step") if k in state}
+        info["lr_after_load"] = optimizer.param_groups[0]["lr"]
+        loaded = {  # collectives: every rank
+            "weights": full_weights(model, rank),
+            "optimizer": formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank),
+            "scheduler": scheduler.state_dict(),
+        }
+        if rank == 0:
+            torch.save(loaded, out / "loaded.pt")
+
+    reference = reference_optimizer = reference_scheduler = None
+    if rank == 0 and cfg.get("reference"):
+        reference = Module(depth=3)
+        reference.net.load_state_dict(initial)
+        reference_optimizer, reference_scheduler = make_optimizer(reference.parameters())
+
+    losses, reference_losses, norms, reference_norms = [], [], [], []
+    for epoch in range(state.get("epoch", 0), cfg.get("epochs", 2)):
+        for x, y in batches(epoch):
+            total = torch.zeros(())
+            micro = GLOBAL_BATCH // MICRO
+            for m in range(MICRO):
+                xm, ym = x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]
+                with fabric.no_backward_sync(model, enabled=m < MICRO - 1):
+                    loss = nn.functional.mse_loss(model(xm[rank::world]), ym[rank::world]) / MICRO
+                    fabric.backward(loss)
+                total += loss.detach()
+            norms.append(clip(cfg, fabric, model, optimizer))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            losses.append(float(fabric.all_reduce(total, reduce_op="mean")))
+            state["global_step"] = state.get("global_step", 0) + 1
+            if reference is not None:
+                loss = nn.functional.mse_loss(reference(x), y)
+                loss.backward()
+                reference_norms.append(clip(cfg, None, reference, reference_optimizer))
+                reference_optimizer.step()
+                reference_optimizer.zero_grad()
+                reference_scheduler.step()
+                reference_losses.append(float(loss))
+        state["epoch"] = epoch + 1
+        if cfg.get("save") and state["epoch"] == cfg.get("save_after_epoch", 1):
+            fabric.save(cfg["save"], state)
+
+    # collectives
+    info["all_reduce_sum"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum"))
+    info["all_reduce_mean"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="mean"))
+    info["all_gather"] = fabric.all_gather(torch.tensor([rank])).reshape(-1).tolist()
+    info["broadcast"] = fabric.broadcast({"from": rank}, src=0)
+    fabric.barrier()
+    info.update(
+        losses=losses,
+        norms=norms,
+        lr=optimizer.param_groups[0]["lr"],
+        final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
+    )
+    final = full_weights(model, rank)
+    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank)
+    if rank == 0:
+        torch.save(
+            {
+                "weights": final,
+                "optimizer": optim,
+                "scheduler": scheduler.state_dict(),
+                "lr": optimizer.param_groups[0]["lr"],
+                "reference": None
+                if reference is None
+                else {
+                    "weights": {k: v.detach().clone() for k, v in reference.net.state_dict().items()},
+                    "losses": reference_losses,
+                    "norms": reference_norms,
+                    "lr": reference_optimizer.param_groups[0]["lr"],
+                },
+            },
+            out / "final.pt",
+        )
+    write_json(out, f"rank{rank}.json", info)
+    leave()
+
+
+if __name__ == "__main__":
+    main()
