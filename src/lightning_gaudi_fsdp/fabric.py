@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
 
 FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # which entries of Fabric's `state` went where in the checkpoint
-_TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+_VERSION_KEY = "pytorch-lightning_version"  # the Trainer refuses a checkpoint without it
+_TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", _VERSION_KEY)
 
 
 class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
@@ -202,6 +204,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
                 for opt in optimizers.values()
             ],
             "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
+            _VERSION_KEY: lightning.__version__,
             **others,
             FABRIC_KEYS: {"model": model_key, "optimizers": list(optimizers), "schedulers": schedulers},
         }
@@ -280,7 +283,8 @@ def _restore_entries(
     then come from its ``lr_schedulers`` in order."""
     keys = rest.pop(FABRIC_KEYS, None)
     trainer_schedulers = rest.pop("lr_schedulers", [])
-    for key in (formats.ENGINE_KEY, formats.PARAM_ID_NAMES_KEY, formats.OPTIMIZER_GROUPS_KEY, "optimizer_states"):
+    internal = (formats.ENGINE_KEY, formats.PARAM_ID_NAMES_KEY, formats.OPTIMIZER_GROUPS_KEY, "optimizer_states")
+    for key in (*internal, _VERSION_KEY):
         rest.pop(key, None)
     requested = [key for key in state if key != model_key and key not in optimizers]
     if keys is None:

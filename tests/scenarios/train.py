@@ -63,6 +63,23 @@ class Probe(Callback):
 
         fc.register_forward_hook(hook)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.cfg.get("start_state"):
+            return
+        # what a resume restored: weights, optimizer and schedulers before the first step
+        model, device_type, rank = trainer.strategy.model, trainer.strategy.root_device.type, trainer.global_rank
+        state = formats.model_state_dict(model, "full", device_type)
+        optim = formats.optimizer_state_dict(model, trainer.optimizers[0], "full", device_type, rank)
+        if rank == 0:
+            torch.save(
+                {
+                    "weights": {k.removeprefix("net."): v for k, v in state.items()},
+                    "optimizer": optim,
+                    "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                },
+                self.out / "start.pt",
+            )
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
         _NOW["step"] = trainer.global_step
