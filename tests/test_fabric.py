@@ -1,0 +1,97 @@
+"""Fabric's GaudiFSDPStrategy in one process: the same arguments and refusals as the Trainer's, the registries, the
+precision plugin, and the Gaudi path against the habana_frameworks test double."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gaudi_fsdp import GaudiFSDPStrategy as TrainerStrategy
+from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
+from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
+from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
+
+
+def test_same_arguments_as_the_trainer_strategy():
+    trainer = dict(inspect.signature(TrainerStrategy.__init__).parameters)
+    fabric = dict(inspect.signature(GaudiFSDPStrategy.__init__).parameters)
+    # Fabric's own plugin argument; FSDP checkpoints do not go through a CheckpointIO
+    trainer.pop("precision_plugin"), trainer.pop("checkpoint_io"), fabric.pop("precision")
+    assert list(fabric) == list(trainer)
+    assert [(p.default, p.kind) for p in fabric.values()] == [(p.default, p.kind) for p in trainer.values()]
+
+
+BAD = [
+    {"sharding_strategy": "QUARTER_SHARD"},
+    {"state_dict_type": "zip"},
+    {"fsdp_version": 3},
+    {"backward_prefetch": "SIDEWAYS"},
+    {"device_mesh": [2, 2]},  # needs hybrid sharding
+    {"sharding_strategy": "HYBRID_SHARD"},  # needs a wrap policy, process group or mesh
+    {"ignored_modules": ["a"], "ignored_states": ["b"]},
+    {"mixed_precision": {"param_dtype": "float7"}},
+    {"auto_wrap_policy": "no.such.Module"},
+    {"use_orig_params": "maybe"},
+    {"timeout": -5},
+    {"compile": "yes please"},
+    {"state_dict_type": "local", "sharding_strategy": "NO_SHARD"},
+    {"fsdp_version": 2, "backward_prefetch": "BACKWARD_POST"},
+    {"fsdp_version": 2, "use_orig_params": False},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD, ids=[",".join(k) for k in BAD])
+def test_bad_arguments_fail_with_the_trainer_strategy_message(kwargs):
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as trainer_error:
+        TrainerStrategy(**kwargs)
+    with pytest.raises(type(trainer_error.value)) as fabric_error:
+        GaudiFSDPStrategy(**kwargs)
+    assert str(fabric_error.value) == str(trainer_error.value)
+
+
+def test_names_and_hpu_are_registered_for_fabric():
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    assert "hpu" in ACCELERATOR_REGISTRY
+    for name in ("gaudi_fsdp", "hpu_fsdp"):
+        assert STRATEGY_REGISTRY[name]["strategy"] is GaudiFSDPStrategy
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="hpu_fsdp")
+    assert type(fabric.strategy) is GaudiFSDPStrategy
+
+
+def test_fabric_precision_autocasts_on_the_device_in_use():
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed")
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, GaudiFabricFSDPPrecision)
+    with plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu")
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="works with FSDP precision plugins only"):
+        fabric.strategy.precision = object()
+
+
+def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")  # restored after the test
+    fabric = L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(eager_pipeline=False))
+    strategy = fabric.strategy
+    assert strategy._get_process_group_backend() == "hccl"
+    torch.hpu.set_device(1)
+    assert strategy.root_device == torch.device("hpu", 1)
+    assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # set by the launcher configuration, before any process
+    assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
+    strategy.precision.set_device_type(strategy.root_device.type)
+    assert strategy.precision.device_type == "hpu"
+
+
+def test_hpu_fabric_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # read once, when the bridge loads
+    with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
+        L.Fabric(accelerator="hpu", devices=2, strategy="gaudi_fsdp")
+    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
+        L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(process_group_backend="gloo"))
