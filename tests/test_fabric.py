@@ -16,13 +16,18 @@ from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 
-def test_same_arguments_as_the_trainer_strategy():
+def test_same_arguments_and_defaults_as_the_trainer_strategy():
+    from lightning_gaudi_fsdp._shared import resolve
+
     trainer = dict(inspect.signature(TrainerStrategy.__init__).parameters)
-    fabric = dict(inspect.signature(GaudiFSDPStrategy.__init__).parameters)
-    # Fabric's own plugin argument; FSDP checkpoints do not go through a CheckpointIO
-    trainer.pop("precision_plugin"), trainer.pop("checkpoint_io"), fabric.pop("precision")
-    assert list(fabric) == list(trainer)
-    assert [(p.default, p.kind) for p in fabric.values()] == [(p.default, p.kind) for p in trainer.values()]
+    for lightning_only in ("self", "accelerator", "parallel_devices", "cluster_environment"):
+        trainer.pop(lightning_only)
+    trainer.pop("precision_plugin"), trainer.pop("checkpoint_io")  # Fabric: `precision`; FSDP uses no CheckpointIO
+    shared = inspect.signature(resolve).parameters  # what Fabric's strategy takes as keywords, with its defaults
+    assert list(shared) == list(trainer)
+    assert {k: p.default for k, p in shared.items()} == {k: p.default for k, p in trainer.items()}
+    with pytest.raises(TypeError, match=r"GaudiFSDPStrategy got unexpected keyword argument\(s\) \['shard'\]"):
+        GaudiFSDPStrategy(shard="FULL")
 
 
 BAD = [

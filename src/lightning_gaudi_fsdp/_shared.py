@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
@@ -53,31 +54,33 @@ class Resolved:
 
 def resolve(
     *,
-    process_group_backend: str | None,
-    timeout: timedelta | float | None,
-    sharding_strategy: Any,
-    process_group: Any,
-    device_mesh: Any,
-    cpu_offload: Any,
-    auto_wrap_policy: Any,
-    backward_prefetch: Any,
-    mixed_precision: Any,
-    ignored_modules: Any,
-    ignored_states: Any,
-    param_init_fn: Any,
-    device_id: Any,
-    sync_module_states: Any,
-    forward_prefetch: Any,
-    limit_all_gathers: Any,
-    use_orig_params: Any,
-    state_dict_type: Any,
-    activation_checkpointing_policy: Any,
-    compile: Any,
-    eager_pipeline: Any,
-    fsdp_version: Any,
-    check_free_space: Any,
+    process_group_backend: str | None = None,
+    timeout: timedelta | float | None = default_pg_timeout,
+    sharding_strategy: Any = "FULL_SHARD",
+    process_group: Any = None,
+    device_mesh: Any = None,
+    cpu_offload: Any = False,
+    auto_wrap_policy: Any = None,
+    backward_prefetch: Any = "BACKWARD_PRE",
+    mixed_precision: Any = None,
+    ignored_modules: Any = None,
+    ignored_states: Any = None,
+    param_init_fn: Any = None,
+    device_id: Any = None,
+    sync_module_states: Any = False,
+    forward_prefetch: Any = False,
+    limit_all_gathers: Any = True,
+    use_orig_params: Any = True,
+    state_dict_type: Any = "full",
+    activation_checkpointing_policy: Any = None,
+    compile: Any = False,
+    eager_pipeline: Any = None,
+    fsdp_version: Any = 1,
+    check_free_space: Any = None,
 ) -> Resolved:
-    """Check and convert the arguments both strategies take (same checks, same messages, before any process)."""
+    """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
+    defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
+    LightningCLI reads; a test keeps the two equal)."""
     sharding = options.resolve_sharding_strategy(sharding_strategy)
     wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
     mesh = options.resolve_device_mesh(device_mesh)
@@ -145,6 +148,16 @@ def resolve(
 def resolve_from(arguments: Mapping[str, Any]) -> Resolved:
     """:func:`resolve` with the arguments of a strategy's ``__init__`` (its ``locals()``)."""
     return resolve(**{name: arguments[name] for name in inspect.signature(resolve).parameters})
+
+
+def resolve_keywords(door: str, arguments: Mapping[str, Any]) -> Resolved:
+    """:func:`resolve` with keyword arguments a strategy passes on as given; an unknown name is a ``TypeError``
+    naming ``door``."""
+    known = inspect.signature(resolve).parameters
+    unknown = sorted(set(arguments) - set(known))
+    if unknown:
+        raise TypeError(f"{door} got unexpected keyword argument(s) {unknown}; it takes {sorted(known)}")
+    return resolve(**arguments)
 
 
 def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:

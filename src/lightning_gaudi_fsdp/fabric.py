@@ -10,22 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from torch.nn import Module, Parameter
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -46,10 +42,11 @@ _TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", _VERSION_KEY
 class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel on Intel Gaudi for Lightning Fabric, rehearsable on CPU processes over gloo.
 
-    Takes the arguments of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there), resolved and
-    checked by the same code before any process starts, with ``precision`` in place of ``precision_plugin`` and
-    without ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``). ``fsdp_version`` picks the
-    engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``).
+    Takes, as keyword arguments, those of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there
+    for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), with the same
+    defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
+    ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
+    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``).
 
     ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
     ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
@@ -67,31 +64,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = default_pg_timeout,
-        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
-        process_group: Any = None,
-        device_mesh: tuple[int, int] | list[int] | DeviceMesh | None = None,
-        cpu_offload: bool | CPUOffload = False,
-        auto_wrap_policy: Any = None,
-        backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
-        mixed_precision: dict[str, Any] | MixedPrecision | None = None,
-        ignored_modules: list[str] | list[Module] | None = None,
-        ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
-        param_init_fn: str | Callable[[Module], None] | None = None,
-        device_id: int | str | torch.device | None = None,
-        sync_module_states: bool = False,
-        forward_prefetch: bool = False,
-        limit_all_gathers: bool = True,
-        use_orig_params: bool = True,
-        state_dict_type: str = "full",
-        activation_checkpointing_policy: Any = None,
-        compile: bool | dict[str, Any] = False,
-        eager_pipeline: bool | None = None,
-        fsdp_version: int = 1,
-        check_free_space: bool | None = None,
+        **arguments: Any,
     ) -> None:
-        resolved = _shared.resolve_from(locals())
+        resolved = _shared.resolve_keywords(type(self).__name__, arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

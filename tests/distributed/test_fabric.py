@@ -7,27 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed.test_resume import _assert_equal_nested  # bitwise, nested
+
 BLOCK = "common.Block"
 FABRIC = "fabric_loop.py"
 
 
 def _strategy(engine: int, fmt: str = "full") -> dict:
     return {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine}
-
-
-def _assert_equal_nested(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{path} differs: max {(a.float() - b.float()).abs().max()}"
-    elif isinstance(a, dict):
-        assert sorted(a, key=str) == sorted(b, key=str), f"{path} keys differ"
-        for k in a:
-            _assert_equal_nested(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal_nested(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.mark.versions
