@@ -97,3 +97,22 @@ def test_strategy_by_registered_name(tmp_path):
     proc = _run([str(LLAMA), "fit", "--config", str(config)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GaudiFSDPStrategy configuration" in proc.stdout + proc.stderr
+
+
+def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
+    script = str(ROOT / "examples" / "fabric_pretrain.py")
+    first = _run([script, "--steps", "20", "--save-every", "10"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "training on CPU processes (no Gaudi found)" in first.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00010", "step-00020"]
+    assert (tmp_path / "checkpoints" / "step-00020" / "meta.pt").is_file()  # the sharded layout
+    resumed = _run([script, "--steps", "30", "--save-every", "10", "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoints/step-00020 at step 20" in resumed.stdout
+    losses = [re.search(r"loss: first=([\d.]+) last=([\d.]+) steps=(\d+)", run.stdout) for run in (first, resumed)]
+    assert all(losses), first.stdout[-2000:] + resumed.stdout[-2000:]
+    (start, mid, steps20), (again, end, steps30) = (m.groups() for m in losses)
+    assert (steps20, steps30) == ("20", "30")
+    assert float(mid) < 0.8 * float(start)
+    assert float(end) < 0.8 * float(start)
+    assert float(again) < 0.8 * float(start)  # the resumed run starts from the trained weights
