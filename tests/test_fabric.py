@@ -100,3 +100,37 @@ def test_hpu_fabric_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, mo
         L.Fabric(accelerator="hpu", devices=2, strategy="gaudi_fsdp")
     with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
         L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(process_group_backend="gloo"))
+
+
+def test_restoring_state_entries_in_place():
+    from lightning_gaudi_fsdp.fabric import FABRIC_KEYS, _restore_entries
+
+    def scheduler() -> torch.optim.lr_scheduler.StepLR:
+        return torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), 2)
+
+    saved = scheduler()
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    # a Fabric checkpoint: entries by name, internal keys dropped from what is returned
+    sched = scheduler()
+    state = {"model": None, "scheduler": sched, "step": 0}
+    rest = {"scheduler": saved.state_dict(), "step": 3, "extra": 1, FABRIC_KEYS: {}, "lr_schedulers": []}
+    assert _restore_entries(state, rest, "model", {}, strict=True) == {"extra": 1}
+    assert state["scheduler"] is sched
+    assert sched.last_epoch == 3
+    assert state["step"] == 3
+    # a Trainer checkpoint: schedulers from lr_schedulers in order, other entries by name
+    sched = scheduler()
+    state = {"model": None, "scheduler": sched, "global_step": 0}
+    trainer = {"lr_schedulers": [saved.state_dict()], "global_step": 3, "epoch": 1, "pytorch-lightning_version": "x"}
+    assert _restore_entries(state, trainer, "model", {}, strict=True) == {"epoch": 1}
+    assert state["scheduler"] is sched
+    assert sched.last_epoch == 3
+    assert state["global_step"] == 3
+    # strict: every requested entry must be there
+    with pytest.raises(KeyError, match="The requested state contains a key 'tokens' that does not exist"):
+        _restore_entries({"model": None, "tokens": 0}, {"step": 1}, "model", {}, strict=True)
+    state = {"model": None, "tokens": 5}
+    assert _restore_entries(state, {"step": 1}, "model", {}, strict=False) == {"step": 1}
+    assert state["tokens"] == 5

@@ -71,6 +71,9 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     assert info["lr_after_load"] == 0.005
     assert info["loaded"] == {"epoch": 1, "global_step": 3}
     assert info["remainder_keys"] == []
+    assert info["missing_error"] == (
+        f"CheckpointError: Cannot load checkpoint '{ckpt}.missing': no such file or directory (reported by rank 0)"
+    )
     assert info["losses"] == straight.rank(1)["losses"][3:]
     assert info["final_state"] == {"epoch": 2, "global_step": 6}
 

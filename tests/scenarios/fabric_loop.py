@@ -91,6 +91,10 @@ def main() -> None:
     for key in cfg.get("drop_keys", []):
         del state[key]
     if cfg.get("load"):
+        try:  # every rank fails alike, before any weight changes
+            fabric.load(cfg["load"] + ".missing", state)
+        except Exception as err:
+            info["missing_error"] = f"{type(err).__name__}: {err}"
         remainder = fabric.load(cfg["load"], state, strict=cfg.get("strict", True))
         info["scheduler_same_object"] = state["scheduler"] is scheduler
         info["scheduler_last_epoch"] = scheduler.last_epoch
