@@ -134,3 +134,11 @@ def test_restoring_state_entries_in_place():
     state = {"model": None, "tokens": 5}
     assert _restore_entries(state, {"step": 1}, "model", {}, strict=False) == {"step": 1}
     assert state["tokens"] == 5
+
+
+@pytest.mark.fsdp2
+def test_fsdp2_refuses_an_optimizer_made_before_the_model_is_sharded():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="with fsdp_version=2, set up the model first"):
+        GaudiFSDPStrategy(fsdp_version=2).setup_module_and_optimizers(model, [optimizer])

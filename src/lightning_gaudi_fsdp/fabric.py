@@ -121,6 +121,17 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         return module
 
     @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        if self._fsdp_version == 2 and optimizers:
+            # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
+            # old ones and would step nothing.
+            raise NotImplementedError(
+                "with fsdp_version=2, set up the model first and create the optimizer from its sharded parameters: "
+                "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))"
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
     def module_sharded_context(self) -> AbstractContextManager:
         from torch.distributed.fsdp.wrap import enable_wrap
 
