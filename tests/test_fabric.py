@@ -23,11 +23,14 @@ def test_same_arguments_and_defaults_as_the_trainer_strategy():
     for lightning_only in ("self", "accelerator", "parallel_devices", "cluster_environment"):
         trainer.pop(lightning_only)
     trainer.pop("precision_plugin"), trainer.pop("checkpoint_io")  # Fabric: `precision`; FSDP uses no CheckpointIO
+    trainer.pop("async_save")  # the Trainer's alone: Fabric saves synchronously
     shared = inspect.signature(resolve).parameters  # what Fabric's strategy takes as keywords, with its defaults
     assert list(shared) == list(trainer)
     assert {k: p.default for k, p in shared.items()} == {k: p.default for k, p in trainer.items()}
     with pytest.raises(TypeError, match=r"GaudiFSDPStrategy got unexpected keyword argument\(s\) \['shard'\]"):
         GaudiFSDPStrategy(shard="FULL")
+    with pytest.raises(TypeError, match=r"async_save is a Trainer strategy argument; Fabric saves synchronously"):
+        GaudiFSDPStrategy(async_save=True)
 
 
 BAD = [

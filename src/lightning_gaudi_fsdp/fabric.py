@@ -46,7 +46,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), with the same
     defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
     ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
-    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``).
+    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). ``async_save`` is the
+    Trainer's alone: ``fabric.save`` returns once the checkpoint is committed.
 
     ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
     ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
@@ -66,6 +67,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         precision: Precision | None = None,
         **arguments: Any,
     ) -> None:
+        if "async_save" in arguments:
+            raise TypeError(
+                "async_save is a Trainer strategy argument; Fabric saves synchronously (fabric.save returns "
+                "once the checkpoint is committed)"
+            )
         resolved = _shared.resolve_keywords(type(self).__name__, arguments)
         super().__init__(
             accelerator=accelerator,
