@@ -131,20 +131,49 @@ class LlamaLM(L.LightningModule):
 
 
 class LossSummary(Callback):
-    """Prints the first and last training loss on rank 0 (the example's test reads this line)."""
+    """On rank 0 at the end of training: the first and last loss (the example's test reads this line), a loss-curve
+    PNG next to the CSV log, and where the run left its checkpoints with the commands to look at them."""
 
     def __init__(self) -> None:
-        self.first: float | None = None
-        self.last: float | None = None
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any) -> None:
-        loss = float(outputs["loss"])
-        self.first = loss if self.first is None else self.first
-        self.last = loss
+        self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero and self.first is not None:
-            print(f"loss: first={self.first:.4f} last={self.last:.4f} steps={trainer.global_step}", flush=True)
+        if not trainer.is_global_zero or not self.losses:
+            return
+        first, last = self.losses[0], self.losses[-1]
+        print(f"loss: first={first:.4f} last={last:.4f} steps={trainer.global_step}", flush=True)
+        log_dir = getattr(trainer.logger, "log_dir", None)  # not trainer.log_dir: it broadcasts, rank 0 alone here
+        if log_dir is not None:
+            print(f"metrics (CSV): {log_dir}/metrics.csv", flush=True)
+            self._plot(f"{log_dir}/loss.png")
+        checkpoint = trainer.checkpoint_callback
+        path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
+        if path:
+            print(f"checkpoint ({trainer.strategy._state_dict_type}, committed before the run exits): {path}")
+            print(f"  lightning-gaudi-fsdp inspect {path}")
+            print(f"  lightning-gaudi-fsdp convert {path} model.ckpt --to full", flush=True)
+
+    def _plot(self, path: str) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("loss curve: skipped (pip install matplotlib)", flush=True)
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(range(1, len(self.losses) + 1), self.losses)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("LLaMA FSDP rehearsal")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        print(f"loss curve: {path}", flush=True)
 
 
 class GaudiCLI(LightningCLI):

@@ -40,6 +40,16 @@ def test_llama_rehearsal_loss_falls(tmp_path):
     assert match, proc.stdout[-2000:]
     first, last = map(float, match.groups())
     assert last < 0.6 * first
+    # what the run leaves: metrics, a loss curve and a sharded checkpoint written in the background, committed
+    from lightning_gaudi_fsdp.checkpoint.convert import describe
+
+    run_dir = tmp_path / "runs" / "llama" / "logs" / "version_0"
+    assert (run_dir / "metrics.csv").read_text().startswith(("epoch", "lr", "step", "train_loss", "val_loss"))
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
+    info = describe(last_ckpt)
+    assert (info["format"], info["global_step"], info["world_size"]) == ("sharded", 30, 2)  # every 30 steps
+    assert f"lightning-gaudi-fsdp inspect {last_ckpt.relative_to(tmp_path)}" in proc.stdout
 
 
 def test_print_config_round_trips(tmp_path):

@@ -98,12 +98,12 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     assert all(torch.isfinite(v).all() for v in resumed["weights"].values())
 
 
-def test_when_rank_0_is_killed_the_survivor_says_so(scenario):
-    # Under Lightning's launcher the rendezvous store lives in rank 0's process: the survivor cannot reach it.
+def test_when_rank_0_is_killed_mid_training_the_rank_it_launched_goes_with_it(scenario):
+    # Under Lightning's launcher the rendezvous store lives in rank 0's process, so nothing could go on without it:
+    # the kernel ends rank 1 with its launcher (PR_SET_PDEATHSIG) instead of leaving it to wait for the timeout.
+    # _failing_run returns once every process of the launch is gone, within the bound.
     run = _failing_run(scenario, {"where": "training_step", "rank": 0, "step": 3, "kind": "sigkill"})
     assert run.proc.returncode == -9
-    assert "rank 1 could not reach the rendezvous store" in run.proc.stderr
-    assert "rank 0 was most likely lost" in run.proc.stderr
 
 
 @pytest.mark.parametrize("engine", [1, 2])
