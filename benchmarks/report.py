@@ -37,6 +37,11 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
         target = ("<=", o["target"])
         rows.append(_row("step time, Trainer / hand-written loop", {e: o[e]["ratio"] for e in ENGINES}, target))
         rows.append(_row("step time, Trainer FSDP2 / Trainer FSDP1", {"fsdp2": o["fsdp2_vs_fsdp1"]}, target))
+        # CPU seconds per step (all ranks): not a target, a check that does not depend on how busy the machine was
+        rows.append(
+            _row("CPU time per step, Trainer / hand-written loop", {e: o[e]["cpu_ratio"] for e in ENGINES}, None)
+        )
+        rows.append(_row("CPU time per step, Trainer FSDP2 / Trainer FSDP1", {"fsdp2": o["fsdp2_vs_fsdp1_cpu"]}, None))
         rows.append(_row("bytes held, Trainer / hand-written loop", {e: o[e]["held_vs_raw"] for e in ENGINES}, None))
     if "memory" in results:
         m = results["memory"]
@@ -100,6 +105,10 @@ def print_tables(results: dict[str, Any]) -> None:
         for kind, label in (("lightning_step_s", "Trainer + GaudiFSDPStrategy"), ("raw_step_s", "hand-written loop")):
             print(f"{label:34} {o['fsdp1'][kind] * 1e3:7.1f} ms {o['fsdp2'][kind] * 1e3:7.1f} ms")
         print(f"{'ratio Trainer / hand-written':34} {o['fsdp1']['ratio']:10.3f} {o['fsdp2']['ratio']:10.3f}")
+        print("CPU seconds per step, all ranks together:")
+        for kind, label in (("lightning_cpu_s", "Trainer + GaudiFSDPStrategy"), ("raw_cpu_s", "hand-written loop")):
+            print(f"{label:34} {o['fsdp1'][kind] * 1e3:7.1f} ms {o['fsdp2'][kind] * 1e3:7.1f} ms")
+        print(f"{'ratio Trainer / hand-written':34} {o['fsdp1']['cpu_ratio']:10.3f} {o['fsdp2']['cpu_ratio']:10.3f}")
     if "memory" in results:
         m = results["memory"]
         print("\n== memory per rank (bytes held: params + grads + AdamW state)")

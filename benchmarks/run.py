@@ -68,6 +68,12 @@ def _median_step(result: dict[str, Any], warmup: int) -> float:
     return statistics.median(max(step) for i, step in enumerate(per_step) if i >= warmup)
 
 
+def _median_cpu(result: dict[str, Any], warmup: int) -> float:
+    # CPU seconds of a step, all ranks together: the work done, which other jobs on the machine do not stretch
+    per_step = zip(*(r["step_cpu"] for r in result["ranks"]), strict=True)
+    return statistics.median(sum(step) for i, step in enumerate(per_step) if i >= warmup)
+
+
 def _held_total(ranks: list[dict[str, Any]]) -> int:
     return max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks)
 
@@ -76,24 +82,36 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cfg = {"size": "smoke" if args.smoke else "overhead", "world_size": args.world_size, "steps": args.steps}
     contenders = [(engine, kind) for engine in ENGINES for kind in ("lightning", "raw")]
     medians: dict[str, list[float]] = {f"{engine}/{kind}": [] for engine, kind in contenders}
+    cpu: dict[str, list[float]] = {f"{engine}/{kind}": [] for engine, kind in contenders}
     held: dict[str, int] = {}
     for round_ in range(args.rounds):
         # each round starts with the next contender, so none always runs first (or right after a given other)
         for engine, kind in contenders[round_ % len(contenders) :] + contenders[: round_ % len(contenders)]:
             result = _worker(f"{kind}_steps", dict(cfg, engine=engine), tmp)
             medians[f"{engine}/{kind}"].append(_median_step(result, warmup=2))
+            cpu[f"{engine}/{kind}"].append(_median_cpu(result, warmup=2))
             held[f"{engine}/{kind}"] = _held_total(result["ranks"])
     step = {name: statistics.median(values) for name, values in medians.items()}
-    results: dict[str, Any] = {"target": TARGETS["step_ratio"], "rounds": medians, "held_bytes": held}
+    step_cpu = {name: statistics.median(values) for name, values in cpu.items()}
+    results: dict[str, Any] = {
+        "target": TARGETS["step_ratio"],
+        "rounds": medians,
+        "cpu_rounds": cpu,
+        "held_bytes": held,
+    }
     for engine in ENGINES:
         results[engine] = {
             "lightning_step_s": step[f"{engine}/lightning"],
             "raw_step_s": step[f"{engine}/raw"],
             "ratio": step[f"{engine}/lightning"] / step[f"{engine}/raw"],
+            "lightning_cpu_s": step_cpu[f"{engine}/lightning"],
+            "raw_cpu_s": step_cpu[f"{engine}/raw"],
+            "cpu_ratio": step_cpu[f"{engine}/lightning"] / step_cpu[f"{engine}/raw"],
             # the strategy must shard as the hand-written loop does: 1.0 when it holds the same bytes
             "held_vs_raw": held[f"{engine}/lightning"] / held[f"{engine}/raw"],
         }
     results["fsdp2_vs_fsdp1"] = step["fsdp2/lightning"] / step["fsdp1/lightning"]
+    results["fsdp2_vs_fsdp1_cpu"] = step_cpu["fsdp2/lightning"] / step_cpu["fsdp1/lightning"]
     return results
 
 
@@ -133,14 +151,29 @@ def _largest_unit_bytes(size: str) -> int:
     return 4 * max(layer, root)
 
 
+def _medians(result: dict[str, Any]) -> dict[str, Any]:
+    """Each measurement's median over the rounds (the largest for memory), with every round kept."""
+    for name, rounds in list(result.items()):
+        if not isinstance(rounds, list):
+            continue
+        row: dict[str, Any] = {"rounds": rounds, "bytes": rounds[-1]["bytes"]}
+        for key in ("save_s", "load_s"):
+            if key in rounds[0]:
+                row[key] = statistics.median(r[key] for r in rounds)
+        if "rank0_peak_rss" in rounds[0]:
+            row["rank0_peak_rss"] = max(r["rank0_peak_rss"] for r in rounds)
+        result[name] = row
+    return result
+
+
 def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     size = "smoke" if args.smoke else "checkpoint"
     results: dict[str, Any] = {"world_size": args.world_size, "targets": CHECKPOINT_TARGETS}
     for engine in ENGINES:
         ckdir = tmp / f"ckpts-{engine}"
         ckdir.mkdir()
-        cfg = {"size": size, "world_size": args.world_size, "dir": str(ckdir), "engine": engine}
-        result = _worker("checkpoint", cfg, tmp)
+        cfg = {"size": size, "world_size": args.world_size, "dir": str(ckdir), "engine": engine, "rounds": args.rounds}
+        result = _medians(_worker("checkpoint", cfg, tmp))
         disk_rate = result["disk"]["bytes"] / result["disk"]["save_s"]
         for fmt in ("full", "sharded", "local"):
             row = result[fmt]

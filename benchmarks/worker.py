@@ -109,20 +109,22 @@ def lightning_steps(rank: int, cfg: dict[str, Any]) -> None:
     from lightning.pytorch.callbacks import Callback
 
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(Callback):
         def on_train_batch_start(self, *args: Any) -> None:
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, *args: Any) -> None:
             times.append(time.perf_counter() - self.start)
+            cpu.append(time.process_time() - self.start_cpu)
 
     trainer = _trainer(cfg, max_steps=cfg["steps"], callbacks=[Timer()])
     trainer.fit(_module(cfg))
     # what the strategy holds at rest, to compare with the hand-written loop's count
     held = raw.held_bytes(trainer.strategy.model, _unwrap(trainer.optimizers[0]))
     gathered: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(gathered, {"step_times": times, **held})
+    dist.all_gather_object(gathered, {"step_times": times, "step_cpu": cpu, **held})
     if trainer.global_rank == 0:
         _write(cfg, {"ranks": gathered})
     _leave()
@@ -152,75 +154,95 @@ def _dir_bytes(path: Path) -> int:
 
 
 def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
-    from lightning_gaudi_fsdp.checkpoint import formats
-
+    """Save and load each format, then the baselines on rank 0 (torch.save/torch.load of the same full state, and
+    plain sequential writes of as many bytes with fsync), ``cfg["rounds"]`` times in turn, so that the contenders
+    share the machine's moods; each round starts from no checkpoint on disk."""
     out = Path(cfg["dir"])
-    profile_dir = Path(os.environ.get("BENCH_PROFILE_DIR", out))
     trainer = _trainer(cfg, max_steps=1)
     trainer.fit(_module(cfg))  # one step, so AdamW holds its moments
-    strategy = trainer.strategy
-    result: dict[str, Any] = {}
-    for fmt in ("full", "sharded", "local"):
-        strategy._state_dict_type = fmt
-        path = out / f"ckpt-{fmt}"
-        _reset_rss_peak()
-        before = _status_bytes("VmRSS")
-        profile = os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
-        if profile:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-        save_s = _sync_time(lambda p=path: trainer.save_checkpoint(p))
-        if profile:
-            import pstats
-
-            profiler.disable()
-            with open(profile_dir / f"profile-{cfg['engine']}-{fmt}.txt", "w") as handle:
-                pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(30)
-        peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
-        load_s = _sync_time(lambda p=path: strategy.load_checkpoint(p))
-        result[fmt] = {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
-    # baselines on rank 0: torch.save/torch.load of the same full state, and raw sequential writes with fsync
-    full = formats.model_state_dict(strategy.model, "full", "cpu")
-    optim = formats.optimizer_state_dict(
-        strategy.model,
-        _unwrap(trainer.optimizers[0]),
-        "full",
-        "cpu",
-        trainer.global_rank,
-    )
-    if trainer.global_rank == 0:
-        state = {"state_dict": full, "optimizer_states": [optim]}
-        state_bytes = sum(t.numel() * t.element_size() for t in full.values())
-        state_bytes += sum(
-            v.numel() * v.element_size()
-            for s in optim["state"].values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        )
-        target = out / "torch_save.pt"
-        start = time.perf_counter()
-        torch.save(state, target)
-        with open(target, "rb") as f:
-            os.fsync(f.fileno())
-        result["torch_save"] = {"save_s": time.perf_counter() - start, "bytes": target.stat().st_size}
-        start = time.perf_counter()
-        torch.load(target, weights_only=False)
-        result["torch_save"]["load_s"] = time.perf_counter() - start
-        result["state_bytes"] = state_bytes
-        block = os.urandom(min(8 << 20, result["full"]["bytes"]))
-        plain = out / "plain.bin"
-        start = time.perf_counter()
-        with open(plain, "wb") as f:
-            written = 0
-            while written < result["full"]["bytes"]:
-                written += f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        result["disk"] = {"save_s": time.perf_counter() - start, "bytes": written}
-        _write(cfg, result)
+    result: dict[str, Any] = {name: [] for name in ("full", "sharded", "local", "torch_save", "disk")}
+    state: dict[str, Any] | None = None
+    for round_ in range(cfg.get("rounds", 1)):
+        for fmt in ("full", "sharded", "local"):
+            result[fmt].append(_save_and_load(trainer, fmt, out / f"ckpt-{fmt}", cfg, profile=round_ == 0))
+        if state is None:
+            state = _full_state(trainer)  # collective; rank 0 gets the state, the others an empty one
+        if rank == 0:
+            result["torch_save"].append(_torch_save_and_load(state, out / "torch_save.pt"))
+            result["disk"].append(_plain_writes(result["full"][-1]["bytes"], out / "plain.bin"))
+    if rank == 0:
+        _write(cfg, {**result, "state_bytes": _state_bytes(state)})
     _leave()
+
+
+def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], profile: bool) -> dict[str, Any]:
+    import shutil
+
+    strategy = trainer.strategy
+    strategy._state_dict_type = fmt
+    if trainer.global_rank == 0 and path.is_dir():
+        shutil.rmtree(path)
+    elif trainer.global_rank == 0 and path.exists():
+        path.unlink()
+    profile = profile and os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
+    _reset_rss_peak()
+    before = _status_bytes("VmRSS")
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    save_s = _sync_time(lambda: trainer.save_checkpoint(path))
+    if profile:
+        import pstats
+
+        profiler.disable()
+        profile_dir = Path(os.environ.get("BENCH_PROFILE_DIR", path.parent))
+        with open(profile_dir / f"profile-{cfg['engine']}-{fmt}.txt", "w") as handle:
+            pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(40)
+    peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
+    load_s = _sync_time(lambda: strategy.load_checkpoint(path))
+    return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
+
+
+def _full_state(trainer: Any) -> dict[str, Any]:
+    from lightning_gaudi_fsdp.checkpoint import formats
+
+    model = trainer.strategy.model
+    full = formats.model_state_dict(model, "full", "cpu")
+    optim = formats.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
+    return {"state_dict": full, "optimizer_states": [optim]}
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    tensors = list(state["state_dict"].values())
+    tensors += [v for s in state["optimizer_states"][0]["state"].values() for v in s.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _torch_save_and_load(state: dict[str, Any], target: Path) -> dict[str, Any]:
+    target.unlink(missing_ok=True)
+    start = time.perf_counter()
+    torch.save(state, target)
+    with open(target, "rb") as f:
+        os.fsync(f.fileno())
+    save_s = time.perf_counter() - start
+    start = time.perf_counter()
+    torch.load(target, weights_only=False)
+    return {"save_s": save_s, "load_s": time.perf_counter() - start, "bytes": target.stat().st_size}
+
+
+def _plain_writes(nbytes: int, target: Path) -> dict[str, Any]:
+    target.unlink(missing_ok=True)
+    block = os.urandom(min(8 << 20, nbytes))
+    start = time.perf_counter()
+    with open(target, "wb") as f:
+        written = 0
+        while written < nbytes:
+            written += f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"save_s": time.perf_counter() - start, "bytes": written}
 
 
 def load_sharded(rank: int, cfg: dict[str, Any]) -> None:
