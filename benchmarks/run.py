@@ -91,27 +91,32 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             medians[f"{engine}/{kind}"].append(_median_step(result, warmup=2))
             cpu[f"{engine}/{kind}"].append(_median_cpu(result, warmup=2))
             held[f"{engine}/{kind}"] = _held_total(result["ranks"])
-    step = {name: statistics.median(values) for name, values in medians.items()}
-    step_cpu = {name: statistics.median(values) for name, values in cpu.items()}
-    results: dict[str, Any] = {
-        "target": TARGETS["step_ratio"],
-        "rounds": medians,
-        "cpu_rounds": cpu,
-        "held_bytes": held,
-    }
+    return derive_overhead({"target": TARGETS["step_ratio"], "rounds": medians, "cpu_rounds": cpu, "held_bytes": held})
+
+
+def _paired(numerators: list[float], denominators: list[float]) -> float:
+    """The median over rounds of each round's ratio: the two sides of a ratio ran minutes apart at most, so a slow
+    spell of the shared machine stretches both."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def derive_overhead(results: dict[str, Any]) -> dict[str, Any]:
+    """Step times (medians over rounds) and ratios (paired per round) from the measured rounds."""
+    wall, cpu, held = results["rounds"], results["cpu_rounds"], results["held_bytes"]
     for engine in ENGINES:
+        lightning, raw = f"{engine}/lightning", f"{engine}/raw"
         results[engine] = {
-            "lightning_step_s": step[f"{engine}/lightning"],
-            "raw_step_s": step[f"{engine}/raw"],
-            "ratio": step[f"{engine}/lightning"] / step[f"{engine}/raw"],
-            "lightning_cpu_s": step_cpu[f"{engine}/lightning"],
-            "raw_cpu_s": step_cpu[f"{engine}/raw"],
-            "cpu_ratio": step_cpu[f"{engine}/lightning"] / step_cpu[f"{engine}/raw"],
+            "lightning_step_s": statistics.median(wall[lightning]),
+            "raw_step_s": statistics.median(wall[raw]),
+            "ratio": _paired(wall[lightning], wall[raw]),
+            "lightning_cpu_s": statistics.median(cpu[lightning]),
+            "raw_cpu_s": statistics.median(cpu[raw]),
+            "cpu_ratio": _paired(cpu[lightning], cpu[raw]),
             # the strategy must shard as the hand-written loop does: 1.0 when it holds the same bytes
-            "held_vs_raw": held[f"{engine}/lightning"] / held[f"{engine}/raw"],
+            "held_vs_raw": held[lightning] / held[raw],
         }
-    results["fsdp2_vs_fsdp1"] = step["fsdp2/lightning"] / step["fsdp1/lightning"]
-    results["fsdp2_vs_fsdp1_cpu"] = step_cpu["fsdp2/lightning"] / step_cpu["fsdp1/lightning"]
+    results["fsdp2_vs_fsdp1"] = _paired(wall["fsdp2/lightning"], wall["fsdp1/lightning"])
+    results["fsdp2_vs_fsdp1_cpu"] = _paired(cpu["fsdp2/lightning"], cpu["fsdp1/lightning"])
     return results
 
 
@@ -151,11 +156,11 @@ def _largest_unit_bytes(size: str) -> int:
     return 4 * max(layer, root)
 
 
-def _medians(result: dict[str, Any]) -> dict[str, Any]:
-    """Each measurement's median over the rounds (the largest for memory), with every round kept."""
-    for name, rounds in list(result.items()):
-        if not isinstance(rounds, list):
-            continue
+def derive_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
+    """One engine's medians over the rounds (the largest memory increase), and its ratios to the baselines, paired
+    per round: each round saves every format and then runs torch.save and the plain writes."""
+    for name in ("full", "sharded", "local", "torch_save", "disk"):
+        rounds = result[name]["rounds"] if isinstance(result[name], dict) else result[name]
         row: dict[str, Any] = {"rounds": rounds, "bytes": rounds[-1]["bytes"]}
         for key in ("save_s", "load_s"):
             if key in rounds[0]:
@@ -163,6 +168,17 @@ def _medians(result: dict[str, Any]) -> dict[str, Any]:
         if "rank0_peak_rss" in rounds[0]:
             row["rank0_peak_rss"] = max(r["rank0_peak_rss"] for r in rounds)
         result[name] = row
+
+    def seconds(name: str) -> list[float]:
+        return [r["save_s"] for r in result[name]["rounds"]]
+
+    def rates(name: str) -> list[float]:
+        return [r["bytes"] / r["save_s"] for r in result[name]["rounds"]]
+
+    for fmt in ("full", "sharded", "local"):
+        result[fmt]["throughput_vs_disk"] = _paired(rates(fmt), rates("disk"))
+    result["full"]["save_vs_torch_save"] = _paired(seconds("full"), seconds("torch_save"))
+    result["full"]["peak_rss_vs_state"] = result["full"]["rank0_peak_rss"] / result["state_bytes"]
     return result
 
 
@@ -173,15 +189,8 @@ def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ckdir = tmp / f"ckpts-{engine}"
         ckdir.mkdir()
         cfg = {"size": size, "world_size": args.world_size, "dir": str(ckdir), "engine": engine, "rounds": args.rounds}
-        result = _medians(_worker("checkpoint", cfg, tmp))
-        disk_rate = result["disk"]["bytes"] / result["disk"]["save_s"]
-        for fmt in ("full", "sharded", "local"):
-            row = result[fmt]
-            row["throughput_vs_disk"] = (row["bytes"] / row["save_s"]) / disk_rate
-        result["full"]["save_vs_torch_save"] = result["full"]["save_s"] / result["torch_save"]["save_s"]
-        result["full"]["peak_rss_vs_state"] = result["full"]["rank0_peak_rss"] / result["state_bytes"]
-        result["reshard_load_s"] = {}
-        results[engine] = result
+        results[engine] = derive_checkpoint(_worker("checkpoint", cfg, tmp))
+        results[engine]["reshard_load_s"] = {}
     for world_size in (1, 4):
         ckpts = {engine: str(tmp / f"ckpts-{engine}" / "ckpt-sharded") for engine in ENGINES}
         loads = _worker("load_sharded", {"size": size, "world_size": world_size, "ckpts": ckpts}, tmp)["load_s"]
