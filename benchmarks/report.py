@@ -170,7 +170,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
         axes[0].set_xticks([0, 1], ["Trainer", "hand-written"])
         axes[0].set_ylabel("ms per step (median, slowest rank)")
         axes[0].set_title("Step time")
-        axes[0].legend()
+        axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.25)  # room for the legend above the bars
+        axes[0].legend(loc="upper center", ncols=2)
     if "memory" in results:
         rows = results["memory"]["rows"]
         labels = list(rows["fsdp1"])
@@ -191,7 +192,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
         axes[1].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
         axes[1].set_ylabel("MiB held per rank")
         axes[1].set_title("Memory per rank (params + grads + AdamW); FSDP2 has no NO_SHARD")
-        axes[1].legend()
+        axes[1].set_ylim(top=axes[1].get_ylim()[1] * 1.25)
+        axes[1].legend(loc="upper center", ncols=3, fontsize=8)
     if "checkpoint" in results:
         c = results["checkpoint"]
         names = ["full", "sharded", "local", "torch_save", "disk"]
@@ -212,7 +214,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
                 )
         axes[2].set_xticks(range(len(names)), names)
         axes[2].set_ylabel("seconds")
-        axes[2].set_title("Checkpoint save / load (baselines measured in each engine's run)")
+        axes[2].set_title("Checkpoint save / load, medians (baselines measured in each engine's run)")
         axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             results = {**previous, **results}
     results["summary"] = report.summary(results)
     report.print_tables(results)
-    latest.write_text(json.dumps(results, indent=1))
+    latest.write_text(json.dumps(results, indent=1) + "\n")
     report.chart(results, args.out / "latest.png")
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'latest.png'}")
     return 0
