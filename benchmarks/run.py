@@ -1,14 +1,24 @@
 """Run the benchmarks side by side and print ratios: ``python benchmarks/run.py [--smoke] [--world-size N]``.
 
-1. Step overhead: median step time of Trainer + GaudiFSDPStrategy over a hand-written torch FSDP loop with the same
-   model, settings and data; the contenders alternate, ``--rounds`` times. Target <= 1.05.
-2. Memory per rank: bytes of parameters, gradients and AdamW state each rank holds for NO_SHARD, SHARD_GRAD_OP and
-   FULL_SHARD at world sizes 1, 2, 4, against the 1/N limit plus the largest unsharded unit. Target: within 5%.
-3. Checkpoints: save/load time and bytes of full, sharded and local against torch.save of the same full state and
-   plain fsync'd writes of the same bytes (the disk's limit); loading the sharded one at world sizes 1 and 4.
+Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_version=1)``, torch
+``FullyShardedDataParallel``) and FSDP2 (``fsdp_version=2``, torch ``fully_shard``).
 
-Writes ``benchmarks/results/latest.json`` and ``benchmarks/results/latest.png``. Runs on CPU with gloo (each
-measurement in its own processes); the numbers are ratios measured in one run, not absolute targets.
+1. Step time: median step time of Trainer + GaudiFSDPStrategy over a hand-written loop of the same engine (the same
+   model, wrapping, settings and data), and Trainer FSDP2 over Trainer FSDP1; the four contenders alternate,
+   ``--rounds`` times, each round starting with the next one. Targets <= 1.05. Also the bytes each rank holds after
+   the run, Trainer over hand-written loop (1.0: the strategy shards as the loop does).
+2. Memory per rank: bytes of parameters, gradients and AdamW state each rank holds after an optimizer step, for
+   NO_SHARD (FSDP1 only; FSDP2 always shards), SHARD_GRAD_OP and FULL_SHARD at world sizes 1, 2, 4, against the
+   1/N limit (FSDP1's NO_SHARD total / N) plus the largest unsharded unit. Target: within 5%.
+3. Checkpoints, per engine: save/load time and bytes of full, sharded and local against torch.save of the same full
+   state and plain fsync'd writes of the same bytes (the disk's limit), measured in that engine's run; loading the
+   sharded one at world sizes 1 and 4. Targets: full save <= 1.5 x torch.save, sharded and local saves >= 0.5 of
+   the disk's rate, rank 0 memory added by a full save <= 1.3 x the state's bytes.
+
+Writes ``benchmarks/results/latest.json`` (with a ``summary`` of every ratio against its target) and
+``benchmarks/results/latest.png``. Runs on CPU with gloo (each measurement in its own processes); the numbers are
+ratios measured in one run, not absolute targets. ``BENCH_PROFILE=full|sharded|local`` writes a cProfile of rank 0's
+save of that format per engine to ``BENCH_PROFILE_DIR``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import report  # noqa: E402
+
+SCHEMA = 2  # 2: both engines side by side
 RESULTS = HERE / "results"
+ENGINES = ("fsdp1", "fsdp2")
+SHARDINGS = {"fsdp1": ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"), "fsdp2": ("SHARD_GRAD_OP", "FULL_SHARD")}
+WORLD_SIZES = (1, 2, 4)
+TARGETS = {"step_ratio": 1.05, "memory_ratio": 1.05}
+CHECKPOINT_TARGETS = {"full_save_vs_torch_save": 1.5, "throughput_vs_disk": 0.5, "full_peak_rss_vs_state": 1.3}
 
 
 def _worker(mode: str, cfg: dict[str, Any], tmp: Path, timeout: float = 1800) -> dict[str, Any]:
@@ -49,48 +68,86 @@ def _median_step(result: dict[str, Any], warmup: int) -> float:
     return statistics.median(max(step) for i, step in enumerate(per_step) if i >= warmup)
 
 
+def _median_cpu(result: dict[str, Any], warmup: int) -> float:
+    # CPU seconds of a step, all ranks together: the work done, which other jobs on the machine do not stretch
+    per_step = zip(*(r["step_cpu"] for r in result["ranks"]), strict=True)
+    return statistics.median(sum(step) for i, step in enumerate(per_step) if i >= warmup)
+
+
+def _held_total(ranks: list[dict[str, Any]]) -> int:
+    return max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks)
+
+
 def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cfg = {"size": "smoke" if args.smoke else "overhead", "world_size": args.world_size, "steps": args.steps}
-    medians: dict[str, list[float]] = {"lightning": [], "raw": []}
-    for _ in range(args.rounds):
-        for name, mode in (("lightning", "lightning_steps"), ("raw", "raw_steps")):
-            medians[name].append(_median_step(_worker(mode, cfg, tmp), warmup=2))
-    lightning, raw = statistics.median(medians["lightning"]), statistics.median(medians["raw"])
-    return {
-        "lightning_step_s": lightning,
-        "raw_step_s": raw,
-        "ratio": lightning / raw,
-        "target": 1.05,
-        "rounds": medians,
-    }
+    contenders = [(engine, kind) for engine in ENGINES for kind in ("lightning", "raw")]
+    medians: dict[str, list[float]] = {f"{engine}/{kind}": [] for engine, kind in contenders}
+    cpu: dict[str, list[float]] = {f"{engine}/{kind}": [] for engine, kind in contenders}
+    held: dict[str, int] = {}
+    for round_ in range(args.rounds):
+        # each round starts with the next contender, so none always runs first (or right after a given other)
+        for engine, kind in contenders[round_ % len(contenders) :] + contenders[: round_ % len(contenders)]:
+            result = _worker(f"{kind}_steps", dict(cfg, engine=engine), tmp)
+            medians[f"{engine}/{kind}"].append(_median_step(result, warmup=2))
+            cpu[f"{engine}/{kind}"].append(_median_cpu(result, warmup=2))
+            held[f"{engine}/{kind}"] = _held_total(result["ranks"])
+    return derive_overhead({"target": TARGETS["step_ratio"], "rounds": medians, "cpu_rounds": cpu, "held_bytes": held})
+
+
+def _paired(numerators: list[float], denominators: list[float]) -> float:
+    """The median over rounds of each round's ratio: the two sides of a ratio ran minutes apart at most, so a slow
+    spell of the shared machine stretches both."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def derive_overhead(results: dict[str, Any]) -> dict[str, Any]:
+    """Step times (medians over rounds) and ratios (paired per round) from the measured rounds."""
+    wall, cpu, held = results["rounds"], results["cpu_rounds"], results["held_bytes"]
+    for engine in ENGINES:
+        lightning, raw = f"{engine}/lightning", f"{engine}/raw"
+        results[engine] = {
+            "lightning_step_s": statistics.median(wall[lightning]),
+            "raw_step_s": statistics.median(wall[raw]),
+            "ratio": _paired(wall[lightning], wall[raw]),
+            "lightning_cpu_s": statistics.median(cpu[lightning]),
+            "raw_cpu_s": statistics.median(cpu[raw]),
+            "cpu_ratio": _paired(cpu[lightning], cpu[raw]),
+            # the strategy must shard as the hand-written loop does: 1.0 when it holds the same bytes
+            "held_vs_raw": held[lightning] / held[raw],
+        }
+    results["fsdp2_vs_fsdp1"] = _paired(wall["fsdp2/lightning"], wall["fsdp1/lightning"])
+    results["fsdp2_vs_fsdp1_cpu"] = _paired(cpu["fsdp2/lightning"], cpu["fsdp1/lightning"])
+    return results
 
 
 def bench_memory(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     size = "smoke" if args.smoke else "memory"
-    rows: dict[str, dict[str, Any]] = {}
-    for world_size in (1, 2, 4):
-        for sharding in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
-            cfg = {"size": size, "world_size": world_size, "steps": 1, "count_memory": True, "sharding": sharding}
-            ranks = _worker("memory", cfg, tmp)["ranks"]
-            rows[f"{sharding}@{world_size}"] = {
-                "params": max(r["param_bytes"] for r in ranks),
-                "grads": max(r["grad_bytes"] for r in ranks),
-                "optim": max(r["optim_bytes"] for r in ranks),
-                "total": max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks),
-                "peak_rss": max(r["peak_rss"] for r in ranks),
+    configs = [(engine, sharding) for engine in ENGINES for sharding in SHARDINGS[engine]]
+    rows: dict[str, dict[str, Any]] = {engine: {} for engine in ENGINES}
+    for world_size in WORLD_SIZES:
+        # one process per rank measures every configuration in turn (a process start costs more than a config)
+        cfg = {"size": size, "world_size": world_size, "steps": 1, "configs": configs}
+        ranks = _worker("memory", cfg, tmp)["ranks"]
+        for engine, sharding in configs:
+            held = [r[f"{engine}:{sharding}"] for r in ranks]
+            rows[engine][f"{sharding}@{world_size}"] = {
+                "params": max(h["param_bytes"] for h in held),
+                "grads": max(h["grad_bytes"] for h in held),
+                "optim": max(h["optim_bytes"] for h in held),
+                "total": _held_total(held),
             }
     largest_unit = _largest_unit_bytes(size)
-    for world_size in (1, 2, 4):
-        full = rows[f"NO_SHARD@{world_size}"]["total"]
-        limit = full / world_size + largest_unit
-        for sharding in ("SHARD_GRAD_OP", "FULL_SHARD"):
-            row = rows[f"{sharding}@{world_size}"]
-            row["ratio_to_limit"] = row["total"] / limit
-    return {"rows": rows, "largest_unit_bytes": largest_unit, "target": 1.05}
+    for world_size in WORLD_SIZES:
+        # FSDP2 has no NO_SHARD: FSDP1's unsharded total is the full model for both engines
+        limit = rows["fsdp1"][f"NO_SHARD@{world_size}"]["total"] / world_size + largest_unit
+        for engine in ENGINES:
+            for sharding in ("SHARD_GRAD_OP", "FULL_SHARD"):
+                row = rows[engine][f"{sharding}@{world_size}"]
+                row["ratio_to_limit"] = row["total"] / limit
+    return {"rows": rows, "largest_unit_bytes": largest_unit, "target": TARGETS["memory_ratio"]}
 
 
 def _largest_unit_bytes(size: str) -> int:
-    sys.path.insert(0, str(HERE))
     from models import build
 
     model = build(size)
@@ -99,95 +156,47 @@ def _largest_unit_bytes(size: str) -> int:
     return 4 * max(layer, root)
 
 
-def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    size = "smoke" if args.smoke else "checkpoint"
-    ckdir = tmp / "ckpts"
-    ckdir.mkdir()
-    result = _worker("checkpoint", {"size": size, "world_size": args.world_size, "dir": str(ckdir)}, tmp)
-    disk_rate = result["disk"]["bytes"] / result["disk"]["save_s"]
+def derive_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
+    """One engine's medians over the rounds (the largest memory increase), and its ratios to the baselines, paired
+    per round: each round saves every format and then runs torch.save and the plain writes."""
+    for name in ("full", "sharded", "local", "torch_save", "disk"):
+        rounds = result[name]["rounds"] if isinstance(result[name], dict) else result[name]
+        row: dict[str, Any] = {"rounds": rounds, "bytes": rounds[-1]["bytes"]}
+        for key in ("save_s", "load_s"):
+            if key in rounds[0]:
+                row[key] = statistics.median(r[key] for r in rounds)
+        if "rank0_peak_rss" in rounds[0]:
+            row["rank0_peak_rss"] = max(r["rank0_peak_rss"] for r in rounds)
+        result[name] = row
+
+    def seconds(name: str) -> list[float]:
+        return [r["save_s"] for r in result[name]["rounds"]]
+
+    def rates(name: str) -> list[float]:
+        return [r["bytes"] / r["save_s"] for r in result[name]["rounds"]]
+
     for fmt in ("full", "sharded", "local"):
-        row = result[fmt]
-        row["throughput_vs_disk"] = (row["bytes"] / row["save_s"]) / disk_rate
-    result["full"]["save_vs_torch_save"] = result["full"]["save_s"] / result["torch_save"]["save_s"]
+        result[fmt]["throughput_vs_disk"] = _paired(rates(fmt), rates("disk"))
+    result["full"]["save_vs_torch_save"] = _paired(seconds("full"), seconds("torch_save"))
     result["full"]["peak_rss_vs_state"] = result["full"]["rank0_peak_rss"] / result["state_bytes"]
-    result["reshard_load_s"] = {}
-    for world_size in (1, 4):
-        cfg = {"size": size, "world_size": world_size, "ckpt": str(ckdir / "ckpt-sharded")}
-        result["reshard_load_s"][f"{args.world_size}->{world_size}"] = _worker("load_sharded", cfg, tmp)["load_s"]
     return result
 
 
-def _print_tables(results: dict[str, Any]) -> None:
-    if "overhead" in results:
-        o = results["overhead"]
-        print("\n== step overhead (median step, slowest rank)")
-        print(f"Trainer + GaudiFSDPStrategy  {o['lightning_step_s'] * 1e3:9.1f} ms")
-        print(f"hand-written FSDP loop       {o['raw_step_s'] * 1e3:9.1f} ms")
-        print(f"ratio                        {o['ratio']:9.3f}   (target <= {o['target']})")
-    if "memory" in results:
-        m = results["memory"]
-        print("\n== memory per rank (bytes held: params + grads + AdamW state)")
-        print(f"{'config':22} {'params':>12} {'grads':>12} {'optim':>12} {'total':>12} {'ratio to 1/N limit':>20}")
-        for key, row in m["rows"].items():
-            ratio = f"{row['ratio_to_limit']:.3f}" if "ratio_to_limit" in row else "-"
-            print(f"{key:22} {row['params']:12,} {row['grads']:12,} {row['optim']:12,} {row['total']:12,} {ratio:>20}")
-    if "checkpoint" in results:
-        c = results["checkpoint"]
-        print(f"\n== checkpoints ({c['state_bytes'] / 2**30:.2f} GiB of weights + AdamW state)")
-        print(f"{'format':12} {'save s':>9} {'load s':>9} {'MiB':>9} {'vs disk':>9}")
-        for fmt in ("full", "sharded", "local"):
-            row = c[fmt]
-            print(
-                f"{fmt:12} {row['save_s']:9.2f} {row['load_s']:9.2f} {row['bytes'] / 2**20:9.1f} "
-                f"{row['throughput_vs_disk']:9.2f}"
-            )
-        print(
-            f"{'torch.save':12} {c['torch_save']['save_s']:9.2f} {c['torch_save']['load_s']:9.2f} "
-            f"{c['torch_save']['bytes'] / 2**20:9.1f}"
-        )
-        print(f"{'disk (fsync)':12} {c['disk']['save_s']:9.2f} {'':>9} {c['disk']['bytes'] / 2**20:9.1f} {1.0:9.2f}")
-        print(
-            f"full save / torch.save: {c['full']['save_vs_torch_save']:.2f} (target <= 1.5); "
-            f"rank 0 peak RSS added by the save / state bytes: {c['full']['peak_rss_vs_state']:.2f} (target <= 1.3)"
-        )
-        for key, seconds in c["reshard_load_s"].items():
-            print(f"sharded load at world size {key}: {seconds:.2f} s")
-
-
-def _chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    if "memory" in results:
-        rows = results["memory"]["rows"]
-        labels = list(rows)
-        axes[0].bar(range(len(labels)), [rows[k]["total"] / 2**20 for k in labels], color="tab:blue")
-        axes[0].set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
-        axes[0].set_ylabel("MiB held per rank")
-        axes[0].set_title("Memory per rank (params + grads + AdamW)")
-    if "checkpoint" in results:
-        c = results["checkpoint"]
-        names = ["full", "sharded", "local", "torch_save", "disk"]
-        where = range(len(names))
-        axes[1].bar(
-            [i - 0.2 for i in where], [c[n]["save_s"] for n in names], width=0.4, color="tab:orange", label="save"
-        )
-        axes[1].bar(
-            [i + 0.2 for i in where[:4]],
-            [c[n]["load_s"] for n in names[:4]],
-            width=0.4,
-            color="tab:green",
-            label="load",
-        )
-        axes[1].set_xticks(list(where), names)
-        axes[1].set_ylabel("seconds")
-        axes[1].set_title("Checkpoint save / load")
-        axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    size = "smoke" if args.smoke else "checkpoint"
+    results: dict[str, Any] = {"world_size": args.world_size, "targets": CHECKPOINT_TARGETS}
+    for engine in ENGINES:
+        ckdir = tmp / f"ckpts-{engine}"
+        ckdir.mkdir()
+        cfg = {"size": size, "world_size": args.world_size, "dir": str(ckdir), "engine": engine, "rounds": args.rounds}
+        results[engine] = derive_checkpoint(_worker("checkpoint", cfg, tmp))
+        results[engine]["reshard_load_s"] = {}
+    for world_size in (1, 4):
+        ckpts = {engine: str(tmp / f"ckpts-{engine}" / "ckpt-sharded") for engine in ENGINES}
+        loads = _worker("load_sharded", {"size": size, "world_size": world_size, "ckpts": ckpts}, tmp)["load_s"]
+        for engine in ENGINES:
+            results[engine]["reshard_load_s"][f"{args.world_size}->{world_size}"] = loads[engine]
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,21 +211,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.steps = min(args.rounds, 1), min(args.steps, 4)
     wanted = args.only or ["overhead", "memory", "checkpoint"]
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    benches = {"overhead": bench_overhead, "memory": bench_memory, "checkpoint": bench_checkpoint}
+    results: dict[str, Any] = {"schema": SCHEMA}
     with tempfile.TemporaryDirectory() as tmp:
         for name in wanted:
             print(f"running {name} ...", flush=True)
-            results[name] = {"overhead": bench_overhead, "memory": bench_memory, "checkpoint": bench_checkpoint}[name](
-                args, Path(tmp)
-            )
-    _print_tables(results)
+            started = time.monotonic()
+            results[name] = benches[name](args, Path(tmp))
+            results[name]["args"] = {k: str(v) for k, v in vars(args).items()}
+            print(f"  {name}: {time.monotonic() - started:.0f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     latest = args.out / "latest.json"
     if args.only and latest.exists():
-        # a partial re-run updates its own sections and keeps the others
-        results = {**json.loads(latest.read_text()), **results}
-    latest.write_text(json.dumps(results, indent=1))
-    _chart(results, args.out / "latest.png")
+        previous = json.loads(latest.read_text())
+        if previous.get("schema") == SCHEMA:
+            # a partial re-run updates its own sections and keeps the others (each records its own arguments)
+            results = {**previous, **results}
+    results["summary"] = report.summary(results)
+    report.print_tables(results)
+    latest.write_text(json.dumps(results, indent=1) + "\n")
+    report.chart(results, args.out / "latest.png")
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'latest.png'}")
     return 0
 

@@ -1,12 +1,19 @@
 """One benchmark measurement in its own processes: ``python worker.py MODE CONFIG_JSON``; rank 0 writes the result.
 
-Modes: ``lightning_steps`` / ``raw_steps`` (step time of Trainer + GaudiFSDPStrategy vs a hand-written FSDP loop),
-``memory`` (bytes each rank holds), ``checkpoint`` (save/load of each format against torch.save and the disk),
-``load_sharded`` (loading a sharded checkpoint at another world size).
+This process imports torch (and Lightning and the package, for the Trainer modes) once, then forks one process per
+rank, which finds its rank in the environment as under torchrun, so Lightning starts no processes of its own. That
+saves an import of Lightning per rank (seconds each on a shared 2-core machine) and changes nothing that is timed:
+the steps, saves and loads run after setup, in the same processes either way.
+
+``cfg["engine"]`` (``"fsdp1"`` or ``"fsdp2"``) picks ``GaudiFSDPStrategy(fsdp_version=...)`` and the hand-written
+loop to compare it with. Modes: ``lightning_steps`` / ``raw_steps`` (step time of Trainer + GaudiFSDPStrategy vs a
+hand-written loop), ``memory`` (bytes each rank holds), ``checkpoint`` (save/load of each format against torch.save
+and the disk), ``load_sharded`` (loading sharded checkpoints written at another world size).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -19,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-import contextlib
 
+import raw  # noqa: E402
 from models import batch, build, loss_fn  # noqa: E402
+
+FSDP_VERSION = {"fsdp1": 1, "fsdp2": 2}
 
 
 def _write(cfg: dict[str, Any], result: dict[str, Any]) -> None:
@@ -39,84 +48,6 @@ def _status_bytes(field: str) -> int:
 def _reset_rss_peak() -> None:
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-
-
-def _fsdp_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    from models import DecoderLayer
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    return {
-        "auto_wrap_policy": ModuleWrapPolicy({DecoderLayer}),
-        "sharding_strategy": ShardingStrategy[cfg.get("sharding", "FULL_SHARD")],
-        "device_id": torch.device("cpu"),
-        "use_orig_params": True,
-    }
-
-
-# ----------------------------------------------------------------------------------------------- hand-written FSDP
-def _raw_entry(rank: int, cfg: dict[str, Any], port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["world_size"])
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    torch.manual_seed(0)
-    model = FSDP(build(cfg["size"]), **_fsdp_kwargs(cfg))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for step in range(cfg["steps"]):
-        start = time.perf_counter()
-        loss = loss_fn(model, batch(cfg["size"], step, rank))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    result: dict[str, Any] = {"step_times": times}
-    if cfg.get("count_memory"):
-        result.update(_held_bytes(model, optimizer))
-        result["peak_rss"] = _status_bytes("VmHWM")
-    gathered: list[Any] = [None] * cfg["world_size"]
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        _write(cfg, {"ranks": gathered})
-    _leave()
-
-
-def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the storages this rank holds for parameters, gradients and optimizer state (each counted once)."""
-
-    def storage_bytes(tensors: list[torch.Tensor]) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            if t is not None and t.numel():
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    flat = [m._handle.flat_param for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
-    grads = [getattr(p, "_saved_grad_shard", None) if p.grad is None else p.grad for p in flat]
-    grads += [p.grad for p in model.parameters()]
-    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {
-        "param_bytes": storage_bytes(flat),
-        "grad_bytes": storage_bytes(grads),
-        "optim_bytes": storage_bytes(states),
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def raw_steps(cfg: dict[str, Any]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_raw_entry, args=(cfg, _free_port()), nprocs=cfg["world_size"], start_method="spawn")
 
 
 # ------------------------------------------------------------------------------------------------------ Lightning
@@ -149,7 +80,7 @@ def _module(cfg: dict[str, Any]) -> Any:
     return BenchModule()
 
 
-def _trainer(cfg: dict[str, Any], **kwargs: Any) -> Any:
+def _trainer(cfg: dict[str, Any], engine: str | None = None, **kwargs: Any) -> Any:
     import lightning as L
     from models import DecoderLayer
 
@@ -159,6 +90,7 @@ def _trainer(cfg: dict[str, Any], **kwargs: Any) -> Any:
         auto_wrap_policy={DecoderLayer},
         sharding_strategy=cfg.get("sharding", "FULL_SHARD"),
         state_dict_type=cfg.get("state_dict_type", "full"),
+        fsdp_version=FSDP_VERSION[engine or cfg["engine"]],
     )
     return L.Trainer(
         accelerator="cpu",
@@ -173,26 +105,33 @@ def _trainer(cfg: dict[str, Any], **kwargs: Any) -> Any:
     )
 
 
-def lightning_steps(cfg: dict[str, Any]) -> None:
+def lightning_steps(rank: int, cfg: dict[str, Any]) -> None:
     from lightning.pytorch.callbacks import Callback
 
-    torch.set_num_threads(1)
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(Callback):
         def on_train_batch_start(self, *args: Any) -> None:
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, *args: Any) -> None:
             times.append(time.perf_counter() - self.start)
+            cpu.append(time.process_time() - self.start_cpu)
 
     trainer = _trainer(cfg, max_steps=cfg["steps"], callbacks=[Timer()])
     trainer.fit(_module(cfg))
+    # what the strategy holds at rest, to compare with the hand-written loop's count
+    held = raw.held_bytes(trainer.strategy.model, _unwrap(trainer.optimizers[0]))
     gathered: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(gathered, {"step_times": times})
+    dist.all_gather_object(gathered, {"step_times": times, "step_cpu": cpu, **held})
     if trainer.global_rank == 0:
         _write(cfg, {"ranks": gathered})
     _leave()
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
 
 
 def _leave() -> None:
@@ -214,103 +153,156 @@ def _dir_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def checkpoint(cfg: dict[str, Any]) -> None:
-    from lightning_gaudi_fsdp.checkpoint import formats
-
-    torch.set_num_threads(1)
+def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
+    """Save and load each format, then the baselines on rank 0 (torch.save/torch.load of the same full state, and
+    plain sequential writes of as many bytes with fsync), ``cfg["rounds"]`` times in turn, so that the contenders
+    share the machine's moods; each round starts from no checkpoint on disk."""
     out = Path(cfg["dir"])
     trainer = _trainer(cfg, max_steps=1)
     trainer.fit(_module(cfg))  # one step, so AdamW holds its moments
-    strategy = trainer.strategy
-    result: dict[str, Any] = {}
-    for fmt in ("full", "sharded", "local"):
-        strategy._state_dict_type = fmt
-        path = out / f"ckpt-{fmt}"
-        _reset_rss_peak()
-        before = _status_bytes("VmRSS")
-        profile = os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
-        if profile:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-        save_s = _sync_time(lambda p=path: trainer.save_checkpoint(p))
-        if profile:
-            import pstats
-
-            profiler.disable()
-            with open(out / f"profile-{fmt}.txt", "w") as handle:
-                pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(30)
-        peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
-        load_s = _sync_time(lambda p=path: strategy.load_checkpoint(p))
-        result[fmt] = {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
-    # baselines on rank 0: torch.save/torch.load of the same full state, and raw sequential writes with fsync
-    full = formats.model_state_dict(strategy.model, "full", "cpu")
-    optim = formats.optimizer_state_dict(
-        strategy.model,
-        trainer.optimizers[0]._optimizer if hasattr(trainer.optimizers[0], "_optimizer") else trainer.optimizers[0],
-        "full",
-        "cpu",
-        trainer.global_rank,
-    )
-    if trainer.global_rank == 0:
-        state = {"state_dict": full, "optimizer_states": [optim]}
-        state_bytes = sum(t.numel() * t.element_size() for t in full.values())
-        state_bytes += sum(
-            v.numel() * v.element_size()
-            for s in optim["state"].values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        )
-        target = out / "torch_save.pt"
-        start = time.perf_counter()
-        torch.save(state, target)
-        with open(target, "rb") as f:
-            os.fsync(f.fileno())
-        result["torch_save"] = {"save_s": time.perf_counter() - start, "bytes": target.stat().st_size}
-        start = time.perf_counter()
-        torch.load(target, weights_only=False)
-        result["torch_save"]["load_s"] = time.perf_counter() - start
-        result["state_bytes"] = state_bytes
-        block = os.urandom(min(8 << 20, result["full"]["bytes"]))
-        raw = out / "raw.bin"
-        start = time.perf_counter()
-        with open(raw, "wb") as f:
-            written = 0
-            while written < result["full"]["bytes"]:
-                written += f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        result["disk"] = {"save_s": time.perf_counter() - start, "bytes": written}
-        _write(cfg, result)
+    result: dict[str, Any] = {name: [] for name in ("full", "sharded", "local", "torch_save", "disk")}
+    state: dict[str, Any] | None = None
+    for round_ in range(cfg.get("rounds", 1)):
+        for fmt in ("full", "sharded", "local"):
+            result[fmt].append(_save_and_load(trainer, fmt, out / f"ckpt-{fmt}", cfg, profile=round_ == 0))
+        if state is None:
+            state = _full_state(trainer)  # collective; rank 0 gets the state, the others an empty one
+        if rank == 0:
+            result["torch_save"].append(_torch_save_and_load(state, out / "torch_save.pt"))
+            result["disk"].append(_plain_writes(result["full"][-1]["bytes"], out / "plain.bin"))
+    if rank == 0:
+        _write(cfg, {**result, "state_bytes": _state_bytes(state)})
     _leave()
 
 
-def load_sharded(cfg: dict[str, Any]) -> None:
-    """Time loading ``cfg['ckpt']`` (sharded, written at another world size) at this world size."""
+def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], profile: bool) -> dict[str, Any]:
+    import shutil
+
+    strategy = trainer.strategy
+    strategy._state_dict_type = fmt
+    if trainer.global_rank == 0 and path.is_dir():
+        shutil.rmtree(path)
+    elif trainer.global_rank == 0 and path.exists():
+        path.unlink()
+    profile = profile and os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
+    _reset_rss_peak()
+    before = _status_bytes("VmRSS")
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    save_s = _sync_time(lambda: trainer.save_checkpoint(path))
+    if profile:
+        import pstats
+
+        profiler.disable()
+        profile_dir = Path(os.environ.get("BENCH_PROFILE_DIR", path.parent))
+        with open(profile_dir / f"profile-{cfg['engine']}-{fmt}.txt", "w") as handle:
+            pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(40)
+    peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
+    load_s = _sync_time(lambda: strategy.load_checkpoint(path))
+    return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
+
+
+def _full_state(trainer: Any) -> dict[str, Any]:
+    from lightning_gaudi_fsdp.checkpoint import formats
+
+    model = trainer.strategy.model
+    full = formats.model_state_dict(model, "full", "cpu")
+    optim = formats.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
+    return {"state_dict": full, "optimizer_states": [optim]}
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    tensors = list(state["state_dict"].values())
+    tensors += [v for s in state["optimizer_states"][0]["state"].values() for v in s.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _torch_save_and_load(state: dict[str, Any], target: Path) -> dict[str, Any]:
+    target.unlink(missing_ok=True)
+    start = time.perf_counter()
+    torch.save(state, target)
+    with open(target, "rb") as f:
+        os.fsync(f.fileno())
+    save_s = time.perf_counter() - start
+    start = time.perf_counter()
+    torch.load(target, weights_only=False)
+    return {"save_s": save_s, "load_s": time.perf_counter() - start, "bytes": target.stat().st_size}
+
+
+def _plain_writes(nbytes: int, target: Path) -> dict[str, Any]:
+    target.unlink(missing_ok=True)
+    block = os.urandom(min(8 << 20, nbytes))
+    start = time.perf_counter()
+    with open(target, "wb") as f:
+        written = 0
+        while written < nbytes:
+            written += f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"save_s": time.perf_counter() - start, "bytes": written}
+
+
+def load_sharded(rank: int, cfg: dict[str, Any]) -> None:
+    """Time loading each ``cfg["ckpts"][engine]`` (sharded, written at another world size) at this world size, with
+    that engine; one Trainer after the other in the same processes, which saves a Lightning start per engine."""
     from lightning_gaudi_fsdp import GaudiFSDPStrategy
 
-    torch.set_num_threads(1)
     original = GaudiFSDPStrategy.load_checkpoint
+    seconds: dict[str, float] = {}
 
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seconds = _sync_time(lambda: original(self, *args, **kwargs))
-        if self.global_rank == 0:
-            _write(cfg, {"load_s": seconds})
-        return original(self, *args, **kwargs)  # loaded again for Lightning's return value; not timed
+    for engine, path in cfg["ckpts"].items():
 
-    GaudiFSDPStrategy.load_checkpoint = timed  # type: ignore[method-assign]
-    trainer = _trainer(cfg, max_steps=1)
-    trainer.fit(_module(cfg), ckpt_path=cfg["ckpt"])
+        def timed(self: Any, *args: Any, engine: str = engine, **kwargs: Any) -> Any:
+            seconds[engine] = _sync_time(lambda: original(self, *args, **kwargs))
+            return original(self, *args, **kwargs)  # loaded again for Lightning's return value; not timed
+
+        GaudiFSDPStrategy.load_checkpoint = timed  # type: ignore[method-assign]
+        trainer = _trainer(cfg, engine, max_steps=1)
+        trainer.fit(_module(cfg), ckpt_path=path)
+        del trainer
+    if rank == 0:
+        _write(cfg, {"load_s": seconds})
     _leave()
+
+
+MODES = {
+    "raw_steps": raw.steps,
+    "memory": raw.memory,
+    "lightning_steps": lightning_steps,
+    "checkpoint": checkpoint,
+    "load_sharded": load_sharded,
+}
+
+
+def _rank(rank: int, mode: str, cfg: dict[str, Any], port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(cfg["world_size"]),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    MODES[mode](rank, cfg)
+
+
+def launch(mode: str, cfg: dict[str, Any]) -> None:
+    import torch.multiprocessing as mp
+
+    if mode in ("lightning_steps", "checkpoint", "load_sharded"):
+        import lightning.pytorch  # noqa: F401  (imported once, before forking)
+
+        import lightning_gaudi_fsdp  # noqa: F401
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: nothing has run an operator or started a thread in this process yet
+    mp.start_processes(_rank, args=(mode, cfg, port), nprocs=cfg["world_size"], start_method="fork")
 
 
 if __name__ == "__main__":
-    mode, config = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-    {
-        "raw_steps": raw_steps,
-        "lightning_steps": lightning_steps,
-        "memory": raw_steps,
-        "checkpoint": checkpoint,
-        "load_sharded": load_sharded,
-    }[mode](config)
+    launch(sys.argv[1], json.loads(Path(sys.argv[2]).read_text()))

@@ -1,4 +1,5 @@
-"""The benchmark scripts never rot: a smoke run (tiny sizes) produces every table, the JSON and the chart."""
+"""The benchmark scripts never rot: a smoke run (tiny sizes) produces every table, the JSON and the chart, for both
+engines (FSDP1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), and the effects they measure are real."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+ENGINES = ("fsdp1", "fsdp2")
 
 
 def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
@@ -19,14 +23,36 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "latest.json").read_text())
-    assert results["overhead"]["ratio"] > 0
+
+    overhead = results["overhead"]
+    for engine in ENGINES:
+        assert overhead[engine]["ratio"] > 0
+        # the Trainer's strategy shards exactly as the hand-written loop of the same engine
+        assert overhead[engine]["held_vs_raw"] == pytest.approx(1.0, rel=1e-3)
+    assert overhead["fsdp2_vs_fsdp1"] > 0
+
     rows = results["memory"]["rows"]
-    # sharding really divides what each rank holds
-    assert rows["FULL_SHARD@2"]["total"] < 0.6 * rows["NO_SHARD@2"]["total"]
-    assert rows["FULL_SHARD@4"]["total"] < 0.35 * rows["NO_SHARD@4"]["total"]
-    for fmt in ("full", "sharded", "local"):
-        assert results["checkpoint"][fmt]["bytes"] > 0
-    assert set(results["checkpoint"]["reshard_load_s"]) == {"2->1", "2->4"}
+    full = rows["fsdp1"]  # FSDP2 has no NO_SHARD; FSDP1's is the unsharded reference for both
+    for engine in ENGINES:
+        # sharding really divides what each rank holds
+        assert rows[engine]["FULL_SHARD@2"]["total"] < 0.6 * full["NO_SHARD@2"]["total"]
+        assert rows[engine]["FULL_SHARD@4"]["total"] < 0.35 * full["NO_SHARD@4"]["total"]
+        assert rows[engine]["FULL_SHARD@2"]["grads"] > 0  # counted before zero_grad, for both engines
+    assert "NO_SHARD@2" not in rows["fsdp2"]
+
+    checkpoint = results["checkpoint"]
+    for engine in ENGINES:
+        for fmt in ("full", "sharded", "local"):
+            assert checkpoint[engine][fmt]["bytes"] > 0
+            assert checkpoint[engine][fmt]["save_s"] > 0
+        assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
+
+    summary = {row["measurement"]: row for row in results["summary"]}
+    both = [row for row in summary.values() if row["fsdp1"] is not None and row["fsdp2"] is not None]
+    assert len(both) >= 10
+    assert summary["full save / torch.save"]["target"] == "<= 1.5"
+    assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
+
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ratio" in proc.stdout
-    assert "vs disk" in proc.stdout
+    for text in ("ratio", "vs disk", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
+        assert text in proc.stdout

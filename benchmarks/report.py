@@ -1,0 +1,220 @@
+"""Tables, the summary against the targets, and the chart, from the results ``run.py`` measured."""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("fsdp1", "fsdp2")
+_COMPARE = {"<=": operator.le, ">=": operator.ge}
+
+
+def _row(measurement: str, values: dict[str, Any], target: tuple[str, float] | None, unit: str = "") -> dict[str, Any]:
+    """One summary line: each engine's value (a number, a list of numbers, or None where it has no such
+    measurement) and whether it meets ``target`` (every number of a list must)."""
+    met: dict[str, bool | None] = {}
+    for engine in ENGINES:
+        value = values.get(engine)
+        if target is None or value is None:
+            met[engine] = None
+            continue
+        numbers = value if isinstance(value, list) else [value]
+        met[engine] = all(_COMPARE[target[0]](v, target[1]) for v in numbers)
+    return {
+        "measurement": measurement,
+        **{engine: values.get(engine) for engine in ENGINES},
+        "unit": unit,
+        "target": None if target is None else f"{target[0]} {target[1]}",
+        "met": met,
+    }
+
+
+def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if "overhead" in results:
+        o = results["overhead"]
+        target = ("<=", o["target"])
+        rows.append(_row("step time, Trainer / hand-written loop", {e: o[e]["ratio"] for e in ENGINES}, target))
+        rows.append(_row("step time, Trainer FSDP2 / Trainer FSDP1", {"fsdp2": o["fsdp2_vs_fsdp1"]}, target))
+        # CPU seconds per step (all ranks): not a target, a check that does not depend on how busy the machine was
+        rows.append(
+            _row("CPU time per step, Trainer / hand-written loop", {e: o[e]["cpu_ratio"] for e in ENGINES}, None)
+        )
+        rows.append(_row("CPU time per step, Trainer FSDP2 / Trainer FSDP1", {"fsdp2": o["fsdp2_vs_fsdp1_cpu"]}, None))
+        rows.append(_row("bytes held, Trainer / hand-written loop", {e: o[e]["held_vs_raw"] for e in ENGINES}, None))
+    if "memory" in results:
+        m = results["memory"]
+        sizes = sorted({int(key.rpartition("@")[2]) for key in m["rows"]["fsdp1"]})
+        for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            values = {e: [m["rows"][e][f"{sharding}@{n}"]["ratio_to_limit"] for n in sizes] for e in ENGINES}
+            name = f"{sharding} bytes per rank / (full / N + largest unit), N = {', '.join(map(str, sizes))}"
+            rows.append(_row(name, values, ("<=", m["target"])))
+    if "checkpoint" in results:
+        c = results["checkpoint"]
+        t = c["targets"]
+        engines = [e for e in ENGINES if e in c]
+
+        def per_engine(get: Any) -> dict[str, Any]:
+            return {e: get(c[e]) for e in engines}
+
+        rows += [
+            _row(
+                "full save / torch.save",
+                per_engine(lambda r: r["full"]["save_vs_torch_save"]),
+                ("<=", t["full_save_vs_torch_save"]),
+            ),
+            _row(
+                "rank 0 memory added by a full save / state bytes",
+                per_engine(lambda r: r["full"]["peak_rss_vs_state"]),
+                ("<=", t["full_peak_rss_vs_state"]),
+            ),
+        ]
+        for fmt in ("sharded", "local", "full"):
+            target = (">=", t["throughput_vs_disk"]) if fmt != "full" else None
+            values = per_engine(lambda r, f=fmt: r[f]["throughput_vs_disk"])
+            rows.append(_row(f"{fmt} save throughput / plain fsync'd writes", values, target))
+        for fmt in ("full", "sharded", "local"):
+            rows.append(_row(f"{fmt} load", per_engine(lambda r, f=fmt: r[f]["load_s"]), None, "s"))
+        torch_load = per_engine(lambda r: r["torch_save"]["load_s"])
+        rows.append(_row("torch.load of the same full state", torch_load, None, "s"))
+        for key in c[engines[0]]["reshard_load_s"]:
+            values = per_engine(lambda r, k=key: r["reshard_load_s"][k])
+            rows.append(_row(f"sharded checkpoint loaded at world size {key}", values, None, "s"))
+    return rows
+
+
+def _format(value: Any, unit: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(_format(v, unit) for v in value)
+    return f"{value:.2f} s" if unit == "s" else f"{value:.3f}"
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    verdicts = [f"{e.upper()} {'met' if row['met'][e] else 'MISSED'}" for e in ENGINES if row["met"][e] is not None]
+    return "; ".join(verdicts)
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    if "overhead" in results:
+        o = results["overhead"]
+        print("\n== step time (median step, slowest rank)")
+        print(f"{'':34} {'FSDP1':>10} {'FSDP2':>10}")
+        for kind, label in (("lightning_step_s", "Trainer + GaudiFSDPStrategy"), ("raw_step_s", "hand-written loop")):
+            print(f"{label:34} {o['fsdp1'][kind] * 1e3:7.1f} ms {o['fsdp2'][kind] * 1e3:7.1f} ms")
+        print(f"{'ratio Trainer / hand-written':34} {o['fsdp1']['ratio']:10.3f} {o['fsdp2']['ratio']:10.3f}")
+        print("CPU seconds per step, all ranks together:")
+        for kind, label in (("lightning_cpu_s", "Trainer + GaudiFSDPStrategy"), ("raw_cpu_s", "hand-written loop")):
+            print(f"{label:34} {o['fsdp1'][kind] * 1e3:7.1f} ms {o['fsdp2'][kind] * 1e3:7.1f} ms")
+        print(f"{'ratio Trainer / hand-written':34} {o['fsdp1']['cpu_ratio']:10.3f} {o['fsdp2']['cpu_ratio']:10.3f}")
+    if "memory" in results:
+        m = results["memory"]
+        print("\n== memory per rank (bytes held: params + grads + AdamW state)")
+        print(f"{'config':26} {'params':>12} {'grads':>12} {'optim':>12} {'total':>12} {'ratio to 1/N limit':>20}")
+        for engine in ENGINES:
+            for key, row in m["rows"][engine].items():
+                ratio = f"{row['ratio_to_limit']:.3f}" if "ratio_to_limit" in row else "-"
+                print(
+                    f"{engine.upper() + ' ' + key:26} {row['params']:12,} {row['grads']:12,} {row['optim']:12,} "
+                    f"{row['total']:12,} {ratio:>20}"
+                )
+    if "checkpoint" in results:
+        c = results["checkpoint"]
+        for engine in (e for e in ENGINES if e in c):
+            r = c[engine]
+            print(f"\n== {engine.upper()} checkpoints ({r['state_bytes'] / 2**30:.2f} GiB of weights + AdamW state)")
+            print(f"{'format':12} {'save s':>9} {'load s':>9} {'MiB':>9} {'vs disk':>9}")
+            for fmt in ("full", "sharded", "local"):
+                row = r[fmt]
+                print(
+                    f"{fmt:12} {row['save_s']:9.2f} {row['load_s']:9.2f} {row['bytes'] / 2**20:9.1f} "
+                    f"{row['throughput_vs_disk']:9.2f}"
+                )
+            base = r["torch_save"]
+            print(f"{'torch.save':12} {base['save_s']:9.2f} {base['load_s']:9.2f} {base['bytes'] / 2**20:9.1f}")
+            disk = r["disk"]
+            print(f"{'disk (fsync)':12} {disk['save_s']:9.2f} {'':>9} {disk['bytes'] / 2**20:9.1f} {1.0:9.2f}")
+    rows = summary(results)
+    if rows:
+        width = max(len(row["measurement"]) for row in rows)
+        print("\n== summary, FSDP1 vs FSDP2")
+        print(f"{'measurement':{width}} {'FSDP1':>22} {'FSDP2':>22} {'target':>8}  verdict")
+        for row in rows:
+            print(
+                f"{row['measurement']:{width}} {_format(row['fsdp1'], row['unit']):>22} "
+                f"{_format(row['fsdp2'], row['unit']):>22} {row['target'] or '-':>8}  {_verdict(row)}"
+            )
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1, 2, 2]})
+    colors = {"fsdp1": "tab:blue", "fsdp2": "tab:orange"}
+    if "overhead" in results:
+        o = results["overhead"]
+        for i, kind in enumerate(("lightning_step_s", "raw_step_s")):
+            for j, engine in enumerate(ENGINES):
+                axes[0].bar(
+                    i + (j - 0.5) * 0.4,
+                    o[engine][kind] * 1e3,
+                    width=0.4,
+                    color=colors[engine],
+                    label=engine.upper() if i == 0 else None,
+                )
+        axes[0].set_xticks([0, 1], ["Trainer", "hand-written"])
+        axes[0].set_ylabel("ms per step (median, slowest rank)")
+        axes[0].set_title("Step time")
+        axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.25)  # room for the legend above the bars
+        axes[0].legend(loc="upper center", ncols=2)
+    if "memory" in results:
+        rows = results["memory"]["rows"]
+        labels = list(rows["fsdp1"])
+        for j, engine in enumerate(ENGINES):
+            where = [i + (j - 0.5) * 0.4 for i, key in enumerate(labels) if key in rows[engine]]
+            heights = [rows[engine][key]["total"] / 2**20 for key in labels if key in rows[engine]]
+            axes[1].bar(where, heights, width=0.4, color=colors[engine], label=engine.upper())
+        fsdp1 = list(rows["fsdp1"].values())
+        limits = [(i, row["total"] / row["ratio_to_limit"]) for i, row in enumerate(fsdp1) if "ratio_to_limit" in row]
+        axes[1].scatter(
+            [i for i, _ in limits],
+            [limit / 2**20 for _, limit in limits],
+            marker="_",
+            s=900,
+            color="black",
+            label="full / N + largest unit",
+        )
+        axes[1].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+        axes[1].set_ylabel("MiB held per rank")
+        axes[1].set_title("Memory per rank (params + grads + AdamW); FSDP2 has no NO_SHARD")
+        axes[1].set_ylim(top=axes[1].get_ylim()[1] * 1.25)
+        axes[1].legend(loc="upper center", ncols=3, fontsize=8)
+    if "checkpoint" in results:
+        c = results["checkpoint"]
+        names = ["full", "sharded", "local", "torch_save", "disk"]
+        engines = [e for e in ENGINES if e in c]
+        width = 0.8 / (2 * len(engines))
+        for j, engine in enumerate(engines):
+            for k, (what, hatch) in enumerate((("save_s", ""), ("load_s", "//"))):
+                offset = (2 * j + k - len(engines) + 0.5) * width
+                present = [i for i, n in enumerate(names) if what in c[engine][n]]
+                axes[2].bar(
+                    [i + offset for i in present],
+                    [c[engine][names[i]][what] for i in present],
+                    width=width,
+                    color=colors[engine],
+                    hatch=hatch,
+                    edgecolor="white",
+                    label=f"{engine.upper()} {what[:4]}",
+                )
+        axes[2].set_xticks(range(len(names)), names)
+        axes[2].set_ylabel("seconds")
+        axes[2].set_title("Checkpoint save / load, medians (baselines measured in each engine's run)")
+        axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
