@@ -374,18 +374,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
-        metadata = None
-        if self._state_dict_type == "local":
-            model = self._wrapped_model()
-            metadata = formats.local_metadata(
-                model,
-                self.sharding_strategy.name,
-                _report.versions(),
-                self.optimizers if "optimizer_states" in checkpoint else (),
-            )
-        checkpoint[formats.ENGINE_KEY] = self._fsdp_version
-        if self._state_dict_type == "full" and checkpoint.get("optimizer_states"):
-            checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(self._wrapped_model())
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
+        metadata = _shared.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
         save = functools.partial(
             formats.save,
             self._state_dict_type,

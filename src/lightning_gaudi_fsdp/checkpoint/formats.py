@@ -129,9 +129,9 @@ def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> 
     for key, value in state.items():
         if key.endswith(FLAT_PARAM):
             shards = value.local_shards()
-            local[key] = shards[0].tensor.detach().cpu().clone() if shards else torch.empty(0)
+            local[key] = shards[0].tensor.detach().to("cpu", copy=True) if shards else torch.empty(0)
         elif key not in managed:
-            local[key] = value.detach().cpu().clone()
+            local[key] = value.detach().to("cpu", copy=True)
     return local
 
 

@@ -43,9 +43,9 @@ def _to_local(value: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return value.to_local().detach().cpu().clone()
+        return value.to_local().detach().to("cpu", copy=True)
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, Mapping):
         return {k: _to_local(v) for k, v in value.items()}
     return value
