@@ -12,12 +12,13 @@ Lightning's (``kwargs``, ``sharding_strategy``, ``cpu_offload``, ``mixed_precisi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed
@@ -29,6 +30,9 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -187,10 +191,8 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------- devices, backend, launch
 class GaudiPlatform:
     """Mixed in before Lightning's ``FSDPStrategy`` (the Trainer's or Fabric's): the root device, the process-group
-    backend, the launcher checks and the process group on Gaudi. ``_heartbeat_on``: start the liveness heartbeat (the
-    Trainer's door stops it in ``teardown`` and reads it in ``on_exception``)."""
-
-    _heartbeat_on = True
+    backend, the launcher checks, the process group on Gaudi and the liveness heartbeat (each door stops it in
+    ``teardown`` and reports failures through it: the Trainer in ``on_exception``, Fabric from ``sys.excepthook``)."""
 
     @property
     def _on_hpu(self) -> bool:
@@ -216,7 +218,7 @@ class GaudiPlatform:
     def setup_environment(self) -> None:
         before_process_group(self)
         super().setup_environment()  # type: ignore[misc]
-        after_process_group(self, heartbeat=self._heartbeat_on)
+        after_process_group(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -276,7 +278,7 @@ def before_process_group(door: Any) -> None:
         gaudi.import_hccl()
 
 
-def after_process_group(door: Any, heartbeat: bool = True) -> None:
+def after_process_group(door: Any) -> None:
     """In ``setup_environment``, once the process group exists: the hybrid mesh on our device, the heartbeat."""
     if isinstance(door._device_mesh, tuple):
         from torch.distributed.device_mesh import init_device_mesh
@@ -287,10 +289,16 @@ def after_process_group(door: Any, heartbeat: bool = True) -> None:
         )
     if door._device_mesh is not None:
         door.kwargs["device_mesh"] = door._device_mesh
-    if heartbeat and door.world_size > 1 and door._heartbeat is None:
+    if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
         door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node)
         door._heartbeat.start()
+
+
+def stop_heartbeat(door: Any) -> None:
+    if door._heartbeat is not None:
+        door._heartbeat.stop()
+        door._heartbeat = None
 
 
 def reduce_on_hccl(tensor: Any, group: Any, reduce_op: Any, backend: str | None, reduce: Callable[..., Any]) -> Any:
@@ -513,6 +521,33 @@ def clip_grad_norm(root: Module | None, max_norm: float, norm_type: float = 2.0)
     return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
 
 
+def check_ranks_agree(door: Any, model: Module) -> list[int]:
+    """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+    fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+    flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
+    fingerprint = _report.fingerprint(model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((fingerprint, _report.held_elements(model)), door.world_size)
+    gathered = [pair[0] for pair in gathered_pairs]
+    for rank, other in enumerate(gathered):
+        if other != fingerprint:
+            diff = _report.describe_difference(gathered[0], other)
+            raise ValueError(
+                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
+                "build the same model with the same strategy arguments"
+            )
+    return [pair[1] for pair in gathered_pairs]
+
+
+def announce(door: Any, model: Module, precision: tuple[str, str], show: bool = True) -> None:
+    """Once the model is set up: every rank checks that all ranks wrapped it alike (:func:`check_ranks_agree`), then
+    rank 0 prints the configuration table (when ``show``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    held_per_rank = check_ranks_agree(door, model)
+    if show and door.global_rank == 0:
+        rank_zero_info(_report.configuration_table(door, model, held_per_rank, precision))
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:
     """Record the engine (and, for full checkpoints with optimizer state, the parameter names) in ``checkpoint``;
@@ -525,6 +560,64 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
 
 
+def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSaver | None:
+    """``async_save``: the saver both doors hand their checkpoints to (``timeout``: of its process group), or None."""
+    return BackgroundSaver(timeout) if options.resolve_bool(async_save, "async_save") else None
+
+
+def save_checkpoint(door: Any, checkpoint: dict[str, Any], path: Path, local_metadata: Any) -> None:
+    """Write ``checkpoint`` in the door's ``state_dict_type`` with the commit protocol; in the background when the
+    door's saver is active (see :mod:`.checkpoint.background`), else before returning."""
+    save = functools.partial(
+        formats.save,
+        door._state_dict_type,
+        path=path,
+        rank=door.global_rank,
+        world_size=door.world_size,
+        local_metadata=local_metadata,
+        check_free_space=door._check_free_space,
+    )
+
+    def gather(obj: Any) -> list[Any]:
+        return gather_objects(obj, door.world_size)
+
+    background = door._background
+    if background is not None and background.active:
+        background.save(
+            checkpoint,
+            path,
+            lambda staged, gather_in_thread, group: save(staged, gather=gather_in_thread, process_group=group),
+            rank=door.global_rank,
+            gather=gather,
+        )
+        return
+    save(checkpoint, gather=gather)
+
+
+def wait_for_saves(door: Any, waiting: str) -> None:
+    """Wait for the door's background save in flight, raising its failure on every rank (every rank calls this)."""
+    if door._background is not None:
+        door._background.wait(
+            rank=door.global_rank, gather=lambda obj: gather_objects(obj, door.world_size), waiting=waiting
+        )
+
+
+def agreed(door: Any, path: Path, read: Callable[[], T]) -> T:
+    """``read()`` on every rank; if it raised :class:`~.formats.CheckpointError` on any rank, the same error (naming
+    the first rank that reported it) is raised on every rank, so that none goes on to a collective alone."""
+    result, error = None, None
+    try:
+        result = read()
+    except formats.CheckpointError as err:
+        error = err.problem
+    errors = gather_objects(error, door.world_size)
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    if failed:
+        rank, problem = failed[0]
+        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
+    return result  # type: ignore[return-value]
+
+
 def load_agreed(
     door: Any,
     path: Path,
@@ -534,14 +627,16 @@ def load_agreed(
     strict: bool,
     weights_only: bool,
     load_optimizers: bool,
+    raw: bool = False,
 ) -> dict[str, Any]:
     """Check ``path`` against ``model`` on every rank; only when every rank passed, load it (model, optimizers).
     Returns the rest of the checkpoint. Any rank's problem raises :class:`~.formats.CheckpointError` on every rank
-    before a weight changes: nobody waits in a collective alone."""
+    before a weight changes: nobody waits in a collective alone. ``raw``: see :func:`.loading.check_load`."""
     device_type = door.root_device.type
-    pending, error = None, None
-    try:
-        pending = loading.check_load(
+    pending = agreed(
+        door,
+        path,
+        lambda: loading.check_load(
             path,
             model,
             world_size=door.world_size,
@@ -549,14 +644,9 @@ def load_agreed(
             device_type=device_type,
             strict=strict,
             weights_only=weights_only,
-        )
-    except formats.CheckpointError as err:
-        error = err.problem
-    errors = gather_objects(error, door.world_size)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-    if failed or pending is None:
-        rank, problem = failed[0] if failed else (door.global_rank, str(error))
-        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
+            raw=raw,
+        ),
+    )
     return loading.apply_load(
         pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
     )

@@ -43,6 +43,11 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, engine):
     assert final["weights"].keys() == reference["weights"].keys()
     for key, value in reference["weights"].items():
         torch.testing.assert_close(final["weights"][key], value, atol=1e-5, rtol=0)
+    # rank 0 printed the configuration table once, when Fabric set the model up (after the ranks agreed on it)
+    output = run.proc.stdout + run.proc.stderr
+    assert output.count("GaudiFSDPStrategy configuration:") == 1
+    assert "Fabric precision  : 32-true" in output
+    assert f"engine            : FSDP{engine}" in output
     for info in (rank0, rank1):  # collectives
         assert info["all_reduce_sum"] == 3.0
         assert info["all_reduce_mean"] == 1.5
@@ -51,20 +56,42 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, engine):
 
 
 @pytest.mark.parametrize(
-    ("engine", "fmt"), [(1, "full"), (1, "sharded"), (1, "local"), (2, "full"), (2, "sharded"), (2, "local")]
+    ("engine", "fmt", "background"),
+    [
+        (1, "full", False),
+        (1, "sharded", False),
+        (1, "local", False),
+        (2, "full", False),
+        (2, "sharded", False),
+        (2, "local", False),
+        (1, "sharded", True),
+        pytest.param(2, "local", True, marks=pytest.mark.slow),
+        pytest.param(2, "full", True, marks=pytest.mark.slow),
+    ],
 )
-def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, fmt):
+def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, fmt, background):
     """Save at the end of epoch 1 of 2 and keep going; a new run loads that checkpoint and finishes epoch 2: weights,
     optimizer and scheduler equal the uninterrupted run bitwise, the scheduler restored in place, plain values back
-    in ``state``."""
+    in ``state``. ``background``: ``async_save=True`` with 1 s writes, so fabric.save returns before the checkpoint
+    is committed and epoch 2 trains while it is written. Full checkpoints also go through ``fabric.save(filter=)`` and
+    ``fabric.load_raw`` in the resumed run."""
     ckpt = tmp_path / "ckpt"
-    common = {"strategy": _strategy(engine, fmt), "clip_norm": 0.1, "epochs": 2}
-    straight = scenario({**common, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
-    resumed = scenario({**common, "load": str(ckpt)}, script=FABRIC)
+    strategy = {**_strategy(engine, fmt), "async_save": background}
+    common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
+    writes = {"slow_writes": 1.0} if background else {}
+    straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
+    resumed = scenario({**common, "load": str(ckpt), "raw_checks": fmt == "full"}, script=FABRIC)
     a, b = straight.final(), resumed.final()
     _assert_equal_nested(b["weights"], a["weights"], "weights")
     _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
     assert b["scheduler"] == a["scheduler"]
+    for rank in (0, 1):
+        save = straight.rank(rank)["save"]
+        if background:  # returned while the 1 s write was still going on
+            assert save["in_flight"] and not save["committed_on_return"] and save["seconds"] < 1.0, save
+        else:
+            assert save["committed_on_return"] and not save["in_flight"], save
+        assert straight.rank(rank)["committed_after_teardown"]
     info = resumed.rank(1)
     assert info["scheduler_same_object"]
     assert info["scheduler_last_epoch"] == 3
@@ -76,6 +103,28 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     )
     assert info["losses"] == straight.rank(1)["losses"][3:]
     assert info["final_state"] == {"epoch": 2, "global_step": 6}
+    if fmt == "full":
+        _assert_filter_and_load_raw(resumed, ckpt)
+
+
+def _assert_filter_and_load_raw(run, ckpt) -> None:
+    head = ["net.head.bias", "net.head.weight"]
+    for rank in (0, 1):
+        raw = run.rank(rank)["raw"]
+        assert raw["filtered_keys"] == head  # fabric.save(filter={"model": ...}) kept only what the filter accepts
+        assert raw["strict_error"].startswith(f"CheckpointError: Cannot load checkpoint '{run.out / 'filtered.ckpt'}'")
+        assert "it was written for another model: missing 12 parameter(s) of this model" in raw["strict_error"]
+        assert raw["raw_into_set_up"] and raw["raw_into_plain"] and raw["checkpoint_into_plain"]
+        assert raw["missing_error"] == (
+            f"CheckpointError: Cannot load checkpoint '{run.out / 'filtered.ckpt.missing'}': no such file or "
+            "directory (reported by rank 0)"
+        )
+    # strict=False: the filtered entries loaded, the others kept their values
+    partial = run.rank(0)["raw"]["partial"]
+    assert {k for k, v in partial.items() if v == "trained"} == {"head.bias", "head.weight"}
+    assert {v for k, v in partial.items() if not k.startswith("head.")} == {"kept"}
+    optimizer = torch.load(run.out / "raw_optimizer.pt", weights_only=False)
+    _assert_equal_nested(optimizer["loaded"], optimizer["saved"], "optimizer")
 
 
 @pytest.mark.versions

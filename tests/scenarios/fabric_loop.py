@@ -6,10 +6,18 @@ Each optimizer step takes one global batch of ``GLOBAL_BATCH`` samples in ``MICR
 accumulation under ``fabric.no_backward_sync``); rank r takes rows r, r + N, ... of each micro-batch. Gradients are
 clipped by value, then by norm. Rank 0 also trains a plain copy of the initial model on the whole global batch in
 the same process (``reference``) for comparison.
+
+Other keys: ``fail`` ({rank, step, kind}: that rank raises, or SIGKILLs itself with ``kind="sigkill"``, at that
+global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each checkpoint write first sleeps
+that many seconds), ``raw_checks`` (after training: ``fabric.save(filter=...)`` and ``fabric.load_raw`` round trips,
+results under ``raw`` in the rank's JSON).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +25,7 @@ import lightning as L
 import torch
 from common import Module, RandomRegression, load_config, write_json
 from torch import nn
-from train import leave
+from train import arm_write_probes, leave
 
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
@@ -56,16 +64,83 @@ def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
+def raw_checks(fabric: L.Fabric, model: Any, optimizer: Any, out: Path, full_ckpt: str) -> dict[str, Any]:
+    """``fabric.save(filter=...)`` and ``fabric.load_raw`` round trips after training; what every rank saw."""
+    rank = fabric.global_rank
+    seen: dict[str, Any] = {}
+    trained = full_weights(model, rank)
+    filtered = str(out / "filtered.ckpt")
+    fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
+    seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
+
+    # a second model set up by Fabric: the filtered checkpoint loads into it with strict=False only
+    fabric.seed_everything(11)
+    other = fabric.setup_module(Module(depth=3))
+    before = full_weights(other, rank)
+    try:
+        fabric.load(filtered, {"model": other})
+    except Exception as err:
+        seen["strict_error"] = f"{type(err).__name__}: {err}"
+    fabric.load(filtered, {"model": other}, strict=False)
+    after = full_weights(other, rank)
+    if rank == 0:
+        seen["partial"] = {
+            k: "trained" if torch.equal(v, trained[k]) else "kept" if torch.equal(v, before[k]) else "other"
+            for k, v in after.items()
+        }
+
+    # load_raw: a plain torch.save of the model's state dict into the set-up model and into a plain one; the
+    # optimizer of a full checkpoint into an optimizer of the set-up model
+    plain_file = out / "plain.pt"
+    full = formats.model_state_dict(model._forward_module, "full", "cpu")
+    if rank == 0:
+        torch.save(full, plain_file)
+    fabric.barrier()
+    fabric.load_raw(plain_file, other)
+    reloaded = full_weights(other, rank)  # collectives: every rank
+    seen["raw_into_set_up"] = all(torch.equal(v, trained[k]) for k, v in reloaded.items()) and (
+        rank != 0 or reloaded.keys() == trained.keys()
+    )
+    plain = Module(depth=3)
+    fabric.load_raw(plain_file, plain)
+    written = torch.load(plain_file, weights_only=True)
+    seen["raw_into_plain"] = all(torch.equal(v, written[k]) for k, v in plain.state_dict().items())
+    plain = Module(depth=3)
+    fabric.load_raw(full_ckpt, plain)  # a Fabric checkpoint into a model that was never set up
+    saved = torch.load(full_ckpt, weights_only=True)
+    seen["checkpoint_into_plain"] = all(torch.equal(v, saved["state_dict"][k]) for k, v in plain.state_dict().items())
+    other_optimizer, _ = make_optimizer(other.parameters())
+    other_optimizer = fabric.setup_optimizers(other_optimizer)
+    fabric.load_raw(full_ckpt, other_optimizer)
+    loaded = formats.optimizer_state_dict(other._forward_module, other_optimizer.optimizer, "full", "cpu", rank)
+    if rank == 0:
+        torch.save({"saved": saved["optimizer_states"][0], "loaded": loaded}, out / "raw_optimizer.pt")
+    try:
+        fabric.load_raw(filtered + ".missing", other_optimizer)
+    except Exception as err:
+        seen["missing_error"] = f"{type(err).__name__}: {err}"
+    return seen
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
-    strategy: Any = cfg.get("strategy_name") or GaudiFSDPStrategy(**cfg.get("strategy", {}))
+    if cfg.get("slow_writes"):
+        arm_write_probes(out, cfg["slow_writes"], 0, False)
+    strategy_cfg = cfg.get("strategy", {})
+    if cfg.get("strategy_rank1") and int(os.environ.get("LOCAL_RANK", "0")) == 1:
+        strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
+    strategy: Any = cfg.get("strategy_name") or GaudiFSDPStrategy(**strategy_cfg)
     fabric = L.Fabric(
-        accelerator="cpu", devices=cfg.get("devices", 2), strategy=strategy, precision=cfg.get("precision", "32-true")
+        accelerator=cfg.get("accelerator", "cpu"),
+        devices=cfg.get("devices", 2),
+        strategy=strategy,
+        precision=cfg.get("precision", "32-true"),
     )
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
+    fail = cfg.get("fail")
     fabric.seed_everything(7)
     with fabric.init_module(empty_init=True):
         module = Module(depth=3)
@@ -118,6 +193,10 @@ def main() -> None:
     losses, reference_losses, norms, reference_norms = [], [], [], []
     for epoch in range(state.get("epoch", 0), cfg.get("epochs", 2)):
         for x, y in batches(epoch):
+            if fail and fail["rank"] == rank and fail["step"] == state.get("global_step", 0):
+                if fail.get("kind") == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"boom in training_step on rank {rank}")
             total = torch.zeros(())
             micro = GLOBAL_BATCH // MICRO
             for m in range(MICRO):
@@ -142,7 +221,19 @@ def main() -> None:
                 reference_losses.append(float(loss))
         state["epoch"] = epoch + 1
         if cfg.get("save") and state["epoch"] == cfg.get("save_after_epoch", 1):
+            started = time.monotonic()
             fabric.save(cfg["save"], state)
+            background = fabric.strategy._background
+            info["save"] = {
+                "seconds": time.monotonic() - started,
+                "in_flight": background is not None and background.in_flight,
+                "committed_on_return": Path(cfg["save"]).exists(),
+            }
+
+    if cfg.get("raw_checks"):
+        info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"])
+    fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
+    info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
 
     # collectives
     info["all_reduce_sum"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum"))
