@@ -203,8 +203,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         """Write ``state`` to ``path`` in ``state_dict_type``'s format (see the class docstring)."""
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
-        fmt, device_type = self._state_dict_type, self.root_device.type
+        fmt = self._state_dict_type
         _check_filter(filter, state, fmt)
+        device_type = self.root_device.type
         path = Path(self.broadcast(str(path)))
         model_key, model = _find_model(state)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
