@@ -59,8 +59,12 @@ def clip(cfg: dict[str, Any], fabric: L.Fabric | None, model: Any, optimizer: An
     return float(fabric.clip_gradients(model, optimizer, max_norm=norm)) if norm else None
 
 
+def device_type(model: Any) -> str:
+    return next(model.parameters()).device.type
+
+
 def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model._forward_module, "full", "cpu")
+    state = formats.model_state_dict(model._forward_module, "full", device_type(model))
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
@@ -92,7 +96,7 @@ def raw_checks(fabric: L.Fabric, model: Any, optimizer: Any, out: Path, full_ckp
     # load_raw: a plain torch.save of the model's state dict into the set-up model and into a plain one; the
     # optimizer of a full checkpoint into an optimizer of the set-up model
     plain_file = out / "plain.pt"
-    full = formats.model_state_dict(model._forward_module, "full", "cpu")
+    full = formats.model_state_dict(model._forward_module, "full", device_type(model))
     if rank == 0:
         torch.save(full, plain_file)
     fabric.barrier()
@@ -112,7 +116,9 @@ def raw_checks(fabric: L.Fabric, model: Any, optimizer: Any, out: Path, full_ckp
     other_optimizer, _ = make_optimizer(other.parameters())
     other_optimizer = fabric.setup_optimizers(other_optimizer)
     fabric.load_raw(full_ckpt, other_optimizer)
-    loaded = formats.optimizer_state_dict(other._forward_module, other_optimizer.optimizer, "full", "cpu", rank)
+    loaded = formats.optimizer_state_dict(
+        other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
+    )
     if rank == 0:
         torch.save({"saved": saved["optimizer_states"][0], "loaded": loaded}, out / "raw_optimizer.pt")
     try:
@@ -178,7 +184,9 @@ def main() -> None:
         info["lr_after_load"] = optimizer.param_groups[0]["lr"]
         loaded = {  # collectives: every rank
             "weights": full_weights(model, rank),
-            "optimizer": formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank),
+            "optimizer": formats.optimizer_state_dict(
+                model._forward_module, optimizer.optimizer, "full", device_type(model), rank
+            ),
             "scheduler": scheduler.state_dict(),
         }
         if rank == 0:
@@ -197,12 +205,13 @@ def main() -> None:
                 if fail.get("kind") == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"boom in training_step on rank {rank}")
-            total = torch.zeros(())
+            total = torch.zeros((), device=fabric.device)
             micro = GLOBAL_BATCH // MICRO
             for m in range(MICRO):
                 xm, ym = x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]
                 with fabric.no_backward_sync(model, enabled=m < MICRO - 1):
-                    loss = nn.functional.mse_loss(model(xm[rank::world]), ym[rank::world]) / MICRO
+                    xr, yr = fabric.to_device((xm[rank::world], ym[rank::world]))
+                    loss = nn.functional.mse_loss(model(xr), yr) / MICRO
                     fabric.backward(loss)
                 total += loss.detach()
             norms.append(clip(cfg, fabric, model, optimizer))
@@ -236,9 +245,14 @@ def main() -> None:
     info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
 
     # collectives
-    info["all_reduce_sum"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum"))
-    info["all_reduce_mean"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="mean"))
-    info["all_gather"] = fabric.all_gather(torch.tensor([rank])).reshape(-1).tolist()
+    def mine() -> torch.Tensor:
+        return torch.tensor(float(rank + 1), device=fabric.device)
+
+    info["all_reduce_sum"] = float(fabric.all_reduce(mine(), reduce_op="sum"))
+    info["all_reduce_mean"] = float(fabric.all_reduce(mine(), reduce_op="mean"))
+    info["all_gather"] = fabric.all_gather(torch.tensor([rank], device=fabric.device)).reshape(-1).tolist()
+    info["backend"] = fabric.strategy.process_group_backend
+    info["device"] = str(fabric.device)
     info["broadcast"] = fabric.broadcast({"from": rank}, src=0)
     fabric.barrier()
     info.update(
@@ -248,7 +262,7 @@ def main() -> None:
         final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
     )
     final = full_weights(model, rank)
-    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank)
+    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
     if rank == 0:
         torch.save(
             {
