@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _liveness, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
@@ -88,7 +88,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         )
         _shared.adopt(self, resolved, self._fsdp_kwargs)
         self._backward_sync_control = _NoSync()
-        self._background = _shared.background_saver(async_save, self._timeout)
+        self._background = _checkpoints.background_saver(async_save, self._timeout)
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
         self._waits_at_exit = False
@@ -230,11 +230,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             **others,
             FABRIC_KEYS: {"model": model_key, "optimizers": list(optimizers), "schedulers": schedulers},
         }
-        metadata = _shared.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
+        metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
         if self._background is not None and not self._waits_at_exit:
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
-        _shared.save_checkpoint(self, checkpoint, path, metadata)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
 
     def _wait_at_exit(self) -> None:
         # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.
@@ -261,14 +261,14 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
                 "fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
         path = Path(self.broadcast(str(path)))
-        _shared.wait_for_saves(self, f"loading {str(path)!r}")
+        _checkpoints.wait_for_saves(self, f"loading {str(path)!r}")
         safe = weights_only is not False
         if isinstance(state, Module | Optimizer):
             self._load_raw(path, state, strict, safe)
             return {}
         model_key, model = _find_model(state)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-        rest = _shared.load_agreed(
+        rest = _checkpoints.load_agreed(
             self,
             path,
             model,
@@ -285,14 +285,16 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         an optimizer loads from a single file (see :func:`.loading.read_full_optimizer_state`)."""
         if isinstance(obj, Module):
             if _is_sharded(obj):
-                _shared.load_agreed(
+                _checkpoints.load_agreed(
                     self, path, obj, [], strict=strict, weights_only=weights_only, load_optimizers=False, raw=True
                 )
             else:
                 obj.load_state_dict(loading.read_full_model_state(path, weights_only=weights_only), strict=strict)
             return
         root = self._fsdp_root
-        state = _shared.agreed(self, path, lambda: loading.read_full_optimizer_state(path, weights_only=weights_only))
+        state = _checkpoints.agreed(
+            self, path, lambda: loading.read_full_optimizer_state(path, weights_only=weights_only)
+        )
         owned = root is not None and {id(p) for p in root.parameters()} >= {
             id(p) for group in obj.param_groups for p in group["params"]
         }

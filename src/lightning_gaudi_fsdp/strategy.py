@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _liveness, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
@@ -140,7 +140,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             **resolved.parent,
         )
         _shared.adopt(self, resolved, self.kwargs)
-        self._background = _shared.background_saver(async_save, self._timeout)
+        self._background = _checkpoints.background_saver(async_save, self._timeout)
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
@@ -348,8 +348,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
-        metadata = _shared.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
-        _shared.save_checkpoint(self, checkpoint, path, metadata)
+        metadata = _checkpoints.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -385,7 +385,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if weights_only is None:
             weights_only = _fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
-        return _shared.load_agreed(
+        return _checkpoints.load_agreed(
             self,
             path,
             model,
