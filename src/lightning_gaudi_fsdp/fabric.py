@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -92,6 +93,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
         self._waits_at_exit = False
+        self._models: weakref.WeakSet[Module] = weakref.WeakSet()  # every model set up, for load_raw(optimizer)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -153,6 +155,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             _shared.compile_root(self, module)
         self.precision.attach(module)
         _shared.announce(self, module, ("Fabric precision", str(self.precision.precision)))
+        self._models.add(module)
         return module
 
     @override
@@ -291,15 +294,13 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             else:
                 obj.load_state_dict(loading.read_full_model_state(path, weights_only=weights_only), strict=strict)
             return
-        root = self._fsdp_root
         state = _checkpoints.agreed(
             self, path, lambda: loading.read_full_optimizer_state(path, weights_only=weights_only)
         )
-        owned = root is not None and {id(p) for p in root.parameters()} >= {
-            id(p) for group in obj.param_groups for p in group["params"]
-        }
-        if owned:
-            loading.load_full_optimizer(root, obj, state, self.root_device.type)
+        held = {id(p) for group in obj.param_groups for p in group["params"]}
+        owner = next((m for m in self._models if held <= {id(p) for p in m.parameters()}), None)
+        if owner is not None:  # an optimizer of a sharded model: the full state is sharded as it loads
+            loading.load_full_optimizer(owner, obj, state, self.root_device.type)
         else:
             obj.load_state_dict(state)
 

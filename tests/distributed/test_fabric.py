@@ -75,14 +75,14 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     """Save at the end of epoch 1 of 2 and keep going; a new run loads that checkpoint and finishes epoch 2: weights,
     optimizer and scheduler equal the uninterrupted run bitwise, the scheduler restored in place, plain values back
     in ``state``. ``background``: ``async_save=True`` with 1 s writes, so fabric.save returns before the checkpoint
-    is committed and epoch 2 trains while it is written. Full checkpoints also go through ``fabric.save(filter=)`` and
-    ``fabric.load_raw`` in the resumed run."""
+    is committed and epoch 2 trains while it is written. The resumed runs also check ``fabric.load_raw`` (and, for full
+    checkpoints, ``fabric.save(filter=...)``)."""
     ckpt = tmp_path / "ckpt"
     strategy = {**_strategy(engine, fmt), "async_save": background}
     common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
     writes = {"slow_writes": 1.0} if background else {}
     straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
-    resumed = scenario({**common, "load": str(ckpt), "raw_checks": fmt == "full"}, script=FABRIC)
+    resumed = scenario({**common, "load": str(ckpt), "raw_checks": not background}, script=FABRIC)
     a, b = straight.final(), resumed.final()
     _assert_equal_nested(b["weights"], a["weights"], "weights")
     _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
@@ -106,30 +106,42 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     )
     assert info["losses"] == straight.rank(1)["losses"][3:]
     assert info["final_state"] == {"epoch": 2, "global_step": 6}
-    if fmt == "full":
-        _assert_filter_and_load_raw(resumed, ckpt)
+    if not background:
+        _assert_load_raw_and_filter(resumed, ckpt, fmt)
 
 
-def _assert_filter_and_load_raw(run, ckpt) -> None:
+def _assert_load_raw_and_filter(run, ckpt, fmt: str) -> None:
+    """fabric.load_raw from the checkpoint (any format) and from a plain torch.save file into a set-up model and a
+    plain one, an optimizer alone from a full checkpoint; for full, fabric.save(filter=...) and strict loading."""
+    for rank in (0, 1):
+        raw = run.rank(rank)["raw"]
+        assert raw["checkpoint_into_set_up"]
+        assert raw["checkpoint_into_plain"]
+        assert raw["raw_into_set_up"]
+        assert raw["raw_into_plain"]
+        assert raw["missing_error"] == (
+            f"CheckpointError: Cannot load checkpoint '{ckpt}.missing': no such file or directory (reported by rank 0)"
+        )
+        if fmt != "full":
+            assert raw["optimizer_error"] == (
+                f"CheckpointError: Cannot load checkpoint '{ckpt}': an optimizer alone loads from a single file (a "
+                "full checkpoint or torch.save(optimizer.state_dict())); load sharded and local checkpoints with "
+                "their model: fabric.load(path, {'model': model, 'optimizer': optimizer}) (reported by rank 0)"
+            )
+    if fmt != "full":
+        return
+    optimizer = torch.load(run.out / "raw_optimizer.pt", weights_only=False)
+    _assert_equal_nested(optimizer["loaded"], optimizer["saved"], "optimizer")
     head = ["net.head.bias", "net.head.weight"]
     for rank in (0, 1):
         raw = run.rank(rank)["raw"]
         assert raw["filtered_keys"] == head  # fabric.save(filter={"model": ...}) kept only what the filter accepts
         assert raw["strict_error"].startswith(f"CheckpointError: Cannot load checkpoint '{run.out / 'filtered.ckpt'}'")
         assert "it was written for another model: missing 12 parameter(s) of this model" in raw["strict_error"]
-        assert raw["raw_into_set_up"]
-        assert raw["raw_into_plain"]
-        assert raw["checkpoint_into_plain"]
-        assert raw["missing_error"] == (
-            f"CheckpointError: Cannot load checkpoint '{run.out / 'filtered.ckpt.missing'}': no such file or "
-            "directory (reported by rank 0)"
-        )
     # strict=False: the filtered entries loaded, the others kept their values
     partial = run.rank(0)["raw"]["partial"]
     assert {k for k, v in partial.items() if v == "trained"} == {"head.bias", "head.weight"}
     assert {v for k, v in partial.items() if not k.startswith("head.")} == {"kept"}
-    optimizer = torch.load(run.out / "raw_optimizer.pt", weights_only=False)
-    _assert_equal_nested(optimizer["loaded"], optimizer["saved"], "optimizer")
 
 
 @pytest.mark.versions

@@ -9,8 +9,8 @@ the same process (``reference``) for comparison.
 
 Other keys: ``fail`` ({rank, step, kind}: that rank raises, or SIGKILLs itself with ``kind="sigkill"``, at that
 global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each checkpoint write first sleeps
-that many seconds), ``raw_checks`` (after training: ``fabric.save(filter=...)`` and ``fabric.load_raw`` round trips,
-results under ``raw`` in the rank's JSON).
+that many seconds), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
+round trips; results under ``raw`` in the rank's JSON).
 """
 
 from __future__ import annotations
@@ -68,64 +68,80 @@ def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
-def raw_checks(fabric: L.Fabric, model: Any, optimizer: Any, out: Path, full_ckpt: str) -> dict[str, Any]:
-    """``fabric.save(filter=...)`` and ``fabric.load_raw`` round trips after training; what every rank saw."""
-    rank = fabric.global_rank
+def raw_checks(
+    fabric: L.Fabric, model: Any, optimizer: Any, out: Path, ckpt: str, at_load: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """After training: ``fabric.load_raw`` from ``ckpt`` (any format; ``at_load``: the weights it holds, on rank 0)
+    and from a plain ``torch.save`` file, and, with a full-format strategy, ``fabric.save(filter=...)``. What every
+    rank saw."""
+    rank, fmt = fabric.global_rank, fabric.strategy._state_dict_type
     seen: dict[str, Any] = {}
     trained = full_weights(model, rank)
-    filtered = str(out / "filtered.ckpt")
-    fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
-    seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
-
-    # a second model set up by Fabric: the filtered checkpoint loads into it with strict=False only
     fabric.seed_everything(11)
-    other = fabric.setup_module(Module(depth=3))
-    before = full_weights(other, rank)
-    try:
-        fabric.load(filtered, {"model": other})
-    except Exception as err:
-        seen["strict_error"] = f"{type(err).__name__}: {err}"
-    fabric.load(filtered, {"model": other}, strict=False)
-    after = full_weights(other, rank)
-    if rank == 0:
-        seen["partial"] = {
-            k: "trained" if torch.equal(v, trained[k]) else "kept" if torch.equal(v, before[k]) else "other"
-            for k, v in after.items()
-        }
+    other = fabric.setup_module(Module(depth=3))  # a second model set up by Fabric
+    other_optimizer = fabric.setup_optimizers(make_optimizer(other.parameters())[0])
 
-    # load_raw: a plain torch.save of the model's state dict into the set-up model and into a plain one; the
-    # optimizer of a full checkpoint into an optimizer of the set-up model
+    if fmt == "full":  # first, while the second model still holds its own initial weights
+        filtered = str(out / "filtered.ckpt")
+        fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
+        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
+        before = full_weights(other, rank)
+        try:
+            fabric.load(filtered, {"model": other})
+        except Exception as err:
+            seen["strict_error"] = f"{type(err).__name__}: {err}"
+        fabric.load(filtered, {"model": other}, strict=False)
+        after = full_weights(other, rank)
+        if rank == 0:
+            seen["partial"] = {
+                k: "trained" if torch.equal(v, trained[k]) else "kept" if torch.equal(v, before[k]) else "other"
+                for k, v in after.items()
+            }
+
+    # a checkpoint of this run into the set-up model and into a plain one that was never set up
+    fabric.load_raw(ckpt, other)
+    seen["checkpoint_into_set_up"] = _equal(full_weights(other, rank), at_load)
+    plain = Module(depth=3)
+    fabric.load_raw(ckpt, plain)
+    seen["checkpoint_into_plain"] = rank != 0 or _equal(_weights(plain), at_load)
+
+    # a plain torch.save of the model's state dict, into both
     plain_file = out / "plain.pt"
     full = formats.model_state_dict(model._forward_module, "full", device_type(model))
     if rank == 0:
         torch.save(full, plain_file)
     fabric.barrier()
     fabric.load_raw(plain_file, other)
-    reloaded = full_weights(other, rank)  # collectives: every rank
-    seen["raw_into_set_up"] = all(torch.equal(v, trained[k]) for k, v in reloaded.items()) and (
-        rank != 0 or reloaded.keys() == trained.keys()
-    )
+    seen["raw_into_set_up"] = _equal(full_weights(other, rank), trained)
     plain = Module(depth=3)
     fabric.load_raw(plain_file, plain)
-    written = torch.load(plain_file, weights_only=True)
-    seen["raw_into_plain"] = all(torch.equal(v, written[k]) for k, v in plain.state_dict().items())
-    plain = Module(depth=3)
-    fabric.load_raw(full_ckpt, plain)  # a Fabric checkpoint into a model that was never set up
-    saved = torch.load(full_ckpt, weights_only=True)
-    seen["checkpoint_into_plain"] = all(torch.equal(v, saved["state_dict"][k]) for k, v in plain.state_dict().items())
-    other_optimizer, _ = make_optimizer(other.parameters())
-    other_optimizer = fabric.setup_optimizers(other_optimizer)
-    fabric.load_raw(full_ckpt, other_optimizer)
-    loaded = formats.optimizer_state_dict(
-        other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
-    )
-    if rank == 0:
-        torch.save({"saved": saved["optimizer_states"][0], "loaded": loaded}, out / "raw_optimizer.pt")
+    seen["raw_into_plain"] = rank != 0 or _equal(_weights(plain), trained)
+
+    # an optimizer alone: from a full checkpoint, refused for the others with what to do instead
     try:
-        fabric.load_raw(filtered + ".missing", other_optimizer)
+        fabric.load_raw(ckpt, other_optimizer)
+        loaded = formats.optimizer_state_dict(
+            other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
+        )
+        if rank == 0:
+            saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]
+            torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
+    except Exception as err:
+        seen["optimizer_error"] = f"{type(err).__name__}: {err}"
+    try:
+        fabric.load_raw(ckpt + ".missing", other_optimizer)
     except Exception as err:
         seen["missing_error"] = f"{type(err).__name__}: {err}"
     return seen
+
+
+def _weights(plain: Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in plain.net.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equal, same keys (both empty off rank 0)."""
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
 
 
 def main() -> None:
@@ -182,8 +198,9 @@ def main() -> None:
         info["remainder_keys"] = sorted(remainder)
         info["loaded"] = {k: state[k] for k in ("epoch", "global_step") if k in state}
         info["lr_after_load"] = optimizer.param_groups[0]["lr"]
+        at_load = full_weights(model, rank)
         loaded = {  # collectives: every rank
-            "weights": full_weights(model, rank),
+            "weights": at_load,
             "optimizer": formats.optimizer_state_dict(
                 model._forward_module, optimizer.optimizer, "full", device_type(model), rank
             ),
@@ -240,7 +257,7 @@ def main() -> None:
             }
 
     if cfg.get("raw_checks"):
-        info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"])
+        info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)
     fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
     info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
 
