@@ -14,8 +14,11 @@ BLOCK = "common.Block"
 BOUND_S = 90  # far below the 30-minute default process-group timeout
 
 
-def _failing_run(scenario, fail: dict, timeout_s: float = 60, door: str = "trainer", **extra):
-    """A 2-rank run of 6 steps in which ``fail`` happens, through the Trainer or a Fabric loop (``door``)."""
+def _failing_run(
+    scenario, fail: dict, timeout_s: float = 60, door: str = "trainer", launcher: str = "lightning", **extra
+):
+    """A 2-rank run of 6 steps in which ``fail`` happens, through the Trainer or a Fabric loop (``door``), its ranks
+    started by Lightning's launcher or, torchrun-style, by the scenario pool (``launcher``)."""
     started = time.monotonic()
     strategy = {"auto_wrap_policy": [BLOCK], "timeout": timeout_s}
     if door == "fabric":
@@ -27,7 +30,7 @@ def _failing_run(scenario, fail: dict, timeout_s: float = 60, door: str = "train
         script="fabric_loop.py" if door == "fabric" else "train.py",
         expect_ok=False,
         timeout=BOUND_S + 60,
-        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
+        launcher=launcher,
     )
     elapsed = time.monotonic() - started
     assert run.proc.returncode != 0
@@ -80,12 +83,15 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     ckpt = tmp_path / "last.ckpt"
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}
     # the Trainer saves at step 2, the Fabric loop after its first epoch (step 3); rank 1 dies at step 4
-    saving = {"save": str(ckpt), "save_after_epoch": 1} if door == "fabric" else {"save_at_step": 2}
+    if door == "fabric":
+        saving = {"save": str(ckpt), "save_after_epoch": 1}
+    else:
+        saving = {"save_at_step": 2, "save_path_in_loop": str(ckpt)}
     run = _failing_run(
         scenario,
         {"where": "training_step", "rank": 1, "step": 4, "kind": "sigkill"},
         door=door,
-        save_path_in_loop=str(ckpt),
+        launcher="pool" if door == "fabric" else "lightning",  # Fabric: torchrun-style, ranks started apart
         strategy=strategy,
         **saving,
     )
