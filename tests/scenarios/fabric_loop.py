@@ -9,8 +9,9 @@ the same process (``reference``) for comparison.
 
 Other keys: ``fail`` ({rank, step, kind}: that rank raises, or SIGKILLs itself with ``kind="sigkill"``, at that
 global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each checkpoint write first sleeps
-that many seconds), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON).
+that many seconds), ``exit_normally`` (end after training without teardown or ``os._exit``), ``raw_checks`` (after
+training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)`` round trips; results under ``raw`` in
+the rank's JSON).
 """
 
 from __future__ import annotations
@@ -256,6 +257,9 @@ def main() -> None:
                 "committed_on_return": Path(cfg["save"]).exists(),
             }
 
+    if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save
+        write_json(out, f"rank{rank}.json", info)
+        return
     if cfg.get("raw_checks"):
         info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)
     fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
