@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from lightning_gaudi_fsdp import _liveness
 from lightning_gaudi_fsdp._liveness import Verdict, _process_alive
 
 
@@ -57,13 +58,16 @@ def test_a_rank_whose_launcher_is_gone_leaves_at_once_and_an_unrelated_live_pid_
 def test_an_exception_that_ends_the_script_is_reported_once_before_the_previous_hook_prints_it():
     """Fabric's door reports through sys.excepthook: the heartbeat's report runs first (its note is printed with the
     traceback), the hook that was there before still runs, and installing twice chains only once."""
-    code = """
-import sys
-from lightning_gaudi_fsdp import _liveness
+    # _liveness alone (standard library only at import), without the package's torch and Lightning imports
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_liveness", {_liveness.__file__!r})
+_liveness = sys.modules["_liveness"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_liveness)
 
 class Recording(_liveness.Heartbeat):
     def report(self, exception):
-        exception.add_note(f"reported by rank {self.rank}")
+        exception.add_note(f"reported by rank {{self.rank}}")
         return None
 
 def previous(kind, value, tb):
