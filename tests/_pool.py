@@ -22,7 +22,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 GRACE_S = float(os.environ.get("SCENARIO_POOL_GRACE_S", "30"))
@@ -78,7 +77,7 @@ def _rank_main(request: dict[str, Any], rank: int) -> int:
         print(code, file=sys.stderr)
         return 1
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter does: a hook (Fabric's failure report) runs first
         return 1
     return 0
 

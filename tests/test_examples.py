@@ -155,7 +155,7 @@ def test_strategy_by_registered_name(tmp_path, llama_example):
 
 def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     script = str(ROOT / "examples" / "fabric_pretrain.py")
-    first = _run([script, "--steps", "20", "--save-every", "10"], tmp_path)
+    first = _run([script, "--steps", "20", "--save-every", "10", "--async-save"], tmp_path)  # committed by teardown
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training on CPU processes (no Gaudi found)" in first.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00010", "step-00020"]

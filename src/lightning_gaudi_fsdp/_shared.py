@@ -1,6 +1,7 @@
 """What the two front doors (the Trainer's ``strategy.GaudiFSDPStrategy`` and Fabric's ``fabric.GaudiFSDPStrategy``)
 have in common, written once: argument resolution, the Gaudi runtime around devices, backend, launcher and process
-group, sharding a module with either engine, gradient clipping, HCCL reductions and checked checkpoint loading.
+group, sharding a module with either engine, the rank-agreement check and start table, gradient clipping and HCCL
+reductions (checkpoints: :mod:`._checkpoints`).
 
 Lightning's Trainer and Fabric ``FSDPStrategy`` classes share no base beyond ``ParallelStrategy`` of different
 packages, so the functions here take the strategy object itself (``door``) and read the attributes both doors have:
@@ -14,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +24,9 @@ import torch.distributed
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
-from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
-from lightning_gaudi_fsdp.checkpoint import formats, loading
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -187,10 +185,8 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------- devices, backend, launch
 class GaudiPlatform:
     """Mixed in before Lightning's ``FSDPStrategy`` (the Trainer's or Fabric's): the root device, the process-group
-    backend, the launcher checks and the process group on Gaudi. ``_heartbeat_on``: start the liveness heartbeat (the
-    Trainer's door stops it in ``teardown`` and reads it in ``on_exception``)."""
-
-    _heartbeat_on = True
+    backend, the launcher checks, the process group on Gaudi and the liveness heartbeat (each door stops it in
+    ``teardown`` and reports failures through it: the Trainer in ``on_exception``, Fabric from ``sys.excepthook``)."""
 
     @property
     def _on_hpu(self) -> bool:
@@ -216,7 +212,7 @@ class GaudiPlatform:
     def setup_environment(self) -> None:
         before_process_group(self)
         super().setup_environment()  # type: ignore[misc]
-        after_process_group(self, heartbeat=self._heartbeat_on)
+        after_process_group(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -276,7 +272,7 @@ def before_process_group(door: Any) -> None:
         gaudi.import_hccl()
 
 
-def after_process_group(door: Any, heartbeat: bool = True) -> None:
+def after_process_group(door: Any) -> None:
     """In ``setup_environment``, once the process group exists: the hybrid mesh on our device, the heartbeat."""
     if isinstance(door._device_mesh, tuple):
         from torch.distributed.device_mesh import init_device_mesh
@@ -287,10 +283,16 @@ def after_process_group(door: Any, heartbeat: bool = True) -> None:
         )
     if door._device_mesh is not None:
         door.kwargs["device_mesh"] = door._device_mesh
-    if heartbeat and door.world_size > 1 and door._heartbeat is None:
+    if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
         door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node)
         door._heartbeat.start()
+
+
+def stop_heartbeat(door: Any) -> None:
+    if door._heartbeat is not None:
+        door._heartbeat.stop()
+        door._heartbeat = None
 
 
 def reduce_on_hccl(tensor: Any, group: Any, reduce_op: Any, backend: str | None, reduce: Callable[..., Any]) -> Any:
@@ -513,50 +515,28 @@ def clip_grad_norm(root: Module | None, max_norm: float, norm_type: float = 2.0)
     return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
 
 
-# ---------------------------------------------------------------------------------------------------- checkpoints
-def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:
-    """Record the engine (and, for full checkpoints with optimizer state, the parameter names) in ``checkpoint``;
-    returns the local-format metadata (None for the other formats)."""
-    checkpoint[formats.ENGINE_KEY] = door._fsdp_version
-    if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
-        checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
-    if door._state_dict_type != "local":
-        return None
-    return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
+def check_ranks_agree(door: Any, model: Module) -> list[int]:
+    """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+    fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+    flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
+    fingerprint = _report.fingerprint(model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((fingerprint, _report.held_elements(model)), door.world_size)
+    gathered = [pair[0] for pair in gathered_pairs]
+    for rank, other in enumerate(gathered):
+        if other != fingerprint:
+            diff = _report.describe_difference(gathered[0], other)
+            raise ValueError(
+                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
+                "build the same model with the same strategy arguments"
+            )
+    return [pair[1] for pair in gathered_pairs]
 
 
-def load_agreed(
-    door: Any,
-    path: Path,
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool,
-    weights_only: bool,
-    load_optimizers: bool,
-) -> dict[str, Any]:
-    """Check ``path`` against ``model`` on every rank; only when every rank passed, load it (model, optimizers).
-    Returns the rest of the checkpoint. Any rank's problem raises :class:`~.formats.CheckpointError` on every rank
-    before a weight changes: nobody waits in a collective alone."""
-    device_type = door.root_device.type
-    pending, error = None, None
-    try:
-        pending = loading.check_load(
-            path,
-            model,
-            world_size=door.world_size,
-            rank=door.global_rank,
-            device_type=device_type,
-            strict=strict,
-            weights_only=weights_only,
-        )
-    except formats.CheckpointError as err:
-        error = err.problem
-    errors = gather_objects(error, door.world_size)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-    if failed or pending is None:
-        rank, problem = failed[0] if failed else (door.global_rank, str(error))
-        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
-    return loading.apply_load(
-        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
-    )
+def announce(door: Any, model: Module, precision: tuple[str, str], show: bool = True) -> None:
+    """Once the model is set up: every rank checks that all ranks wrapped it alike (:func:`check_ranks_agree`), then
+    rank 0 prints the configuration table (when ``show``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    held_per_rank = check_ranks_agree(door, model)
+    if show and door.global_rank == 0:
+        rank_zero_info(_report.configuration_table(door, model, held_per_rank, precision))
