@@ -76,8 +76,12 @@ def _gen() -> torch.Generator:
 
 
 class Probe(Callback):
-    def __init__(self, out: Path) -> None:
+    """``save``: ``{format: path}`` written after the optimizer step of ``save_at`` (where ModelCheckpoint saves),
+    with the full weights of that moment in ``at_save.pt``."""
+
+    def __init__(self, out: Path, save: dict[str, str], save_at: int) -> None:
         self.out, self.frozen_with_grad, self.losses = out, set(), []
+        self.save, self.save_at = save, save_at
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         state = _full_weights(trainer, pl_module)
@@ -91,6 +95,16 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
+        if trainer.global_step != self.save_at or not self.save:
+            return
+        configured = trainer.strategy._state_dict_type
+        for fmt, path in self.save.items():  # one run, each format
+            trainer.strategy._state_dict_type = fmt
+            trainer.save_checkpoint(path)
+        trainer.strategy._state_dict_type = configured
+        state = _full_weights(trainer, pl_module)
+        if trainer.global_rank == 0:
+            torch.save(state, self.out / "at_save.pt")
 
 
 def _full_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
@@ -110,12 +124,9 @@ def main() -> None:
     else:
         strategy = {"auto_wrap_policy": [DECODER_LAYER], **cfg.get("strategy", {})}
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy))
-    probe = Probe(out)
+    probe = Probe(out, cfg.get("save", {}), cfg.get("save_at", 0))
     trainer = L.Trainer(callbacks=[probe], **trainer_kwargs)
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
-    for fmt, path in cfg.get("save", {}).items():  # one run, each format
-        trainer.strategy._state_dict_type = fmt
-        trainer.save_checkpoint(path)
     rank = trainer.global_rank
     write_json(out, f"rank{rank}.json", {"frozen_with_grad": sorted(probe.frozen_with_grad), "losses": probe.losses})
     weights = _full_weights(trainer, module)
