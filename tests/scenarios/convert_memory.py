@@ -10,6 +10,7 @@ from pathlib import Path
 from common import load_config, status_bytes, write_json
 
 from lightning_gaudi_fsdp.checkpoint.convert import convert, describe
+from lightning_gaudi_fsdp.checkpoint.hf_export import export_hf
 
 
 class PeakSampler:
@@ -43,6 +44,17 @@ def main() -> None:
         with PeakSampler() as sampler:
             convert(src, dst, to)
         results[f"{Path(src).name}->{to}"] = {"model_bytes": model_bytes, "peak_added": sampler.peak - sampler.base}
+    for src, dst, kwargs in cfg.get("exports", []):  # export_hf streams: about one output file in memory
+        model_bytes = describe(src)["bytes"]
+        with PeakSampler() as sampler:
+            export_hf(src, dst, **kwargs)
+        largest = max(f.stat().st_size for f in Path(dst).glob("*.safetensors"))
+        results[f"{Path(src).name}->hf"] = {
+            "model_bytes": model_bytes,
+            "largest_file": largest,
+            "files": len(list(Path(dst).glob("*.safetensors"))),
+            "peak_added": sampler.peak - sampler.base,
+        }
     write_json(out, "memory.json", results)
 
 
