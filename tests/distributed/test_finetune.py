@@ -202,7 +202,7 @@ def test_merged_export_equals_merge_and_unload(engine, trained, fmt, hf_config, 
     torch.testing.assert_close(_logits(merged), _logits(trained), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("engine", "fmt"), _cases({(1, "sharded")}))
+@pytest.mark.parametrize(("engine", "fmt"), _cases(set()))  # the default run exports a plain model in test_hf_export
 def test_plain_llama_export_loads_with_from_pretrained(engine, trained, fmt, hf_config, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -216,3 +216,17 @@ def test_plain_llama_export_loads_with_from_pretrained(engine, trained, fmt, hf_
     assert sorted(state) == sorted(at_save)
     assert all(torch.equal(state[k], at_save[k]) for k in at_save)
     assert all(base_key(k) == k for k in state)
+
+
+def test_use_orig_params_false_with_lora_fails_naming_the_argument(scenario):
+    """FSDP1 with use_orig_params=False flattens a decoder layer's frozen base and trainable adapters into one
+    parameter, which torch refuses; the error says which argument to change (no silent switch)."""
+    cfg = {"strategy": {"fsdp_version": 1, "use_orig_params": False}, "max_steps": 1}
+    run = scenario(cfg, script="peft_train.py", expect_ok=False)
+    assert run.proc.returncode != 0
+    logs = run.proc.stdout + run.proc.stderr + "".join(p.read_text() for p in run.out.glob("rank*.stderr"))
+    assert (
+        "use_orig_params=False cannot shard 'model.base_model.model.model.layers.0': one FSDP unit mixes frozen "
+        "(requires_grad=False) and trainable parameters" in logs
+    )
+    assert "pass use_orig_params=True (the default)" in logs
