@@ -230,3 +230,28 @@ def test_use_orig_params_false_with_lora_fails_naming_the_argument(scenario):
         "(requires_grad=False) and trainable parameters" in logs
     )
     assert "pass use_orig_params=True (the default)" in logs
+
+
+@pytest.mark.parametrize("engine", [pytest.param(1, marks=SLOW), 2])
+def test_fabric_lora_trains_like_one_process_and_exports(scenario, engine, lora_reference, tmp_path):
+    """The same fine-tune through Fabric's door: frozen base bitwise, adapters equal one process, and its sharded
+    checkpoint exports an adapter PEFT loads (the model is Fabric's root: no prefix recorded or needed)."""
+    from peft import PeftModel
+
+    ckpt = tmp_path / "fabric-sharded"
+    cfg = {"strategy": {"fsdp_version": engine, "state_dict_type": "sharded"}, "save": str(ckpt), "save_at": SAVE_AT}
+    run = scenario(cfg, script="peft_fabric.py")
+    initial, final = torch.load(run.out / "initial.pt"), torch.load(run.out / "final.pt")
+    reference = _unprefixed(lora_reference["weights"])
+    assert sorted(final) == sorted(reference)
+    assert run.rank(0)["frozen_with_grad"] == run.rank(1)["frozen_with_grad"] == []
+    for key, value in final.items():
+        if is_adapter_key(key):
+            torch.testing.assert_close(value, reference[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        else:
+            assert torch.equal(value, initial[key]), f"frozen {key} changed"
+    _export(str(ckpt), tmp_path / "adapter", "--peft", "adapter")
+    loaded = PeftModel.from_pretrained(build_model(lora=False), tmp_path / "adapter").eval()
+    trained = build_model(lora=True)
+    trained.load_state_dict(torch.load(run.out / "at_save.pt"))
+    assert torch.equal(_logits(loaded), _logits(trained.eval()))
