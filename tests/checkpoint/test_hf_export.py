@@ -16,7 +16,7 @@ from lightning_gaudi_fsdp.checkpoint.hf_names import base_key, is_adapter_key
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "scenarios"))
-from peft_train import build_model  # noqa: E402
+from peft_train import TINY_LLAMA, build_model  # noqa: E402
 
 
 class Holder(torch.nn.Module):
@@ -173,3 +173,14 @@ def test_bad_arguments_are_one_line_errors(plain, lora, tmp_path, capsys):
     assert not Path(dst).exists()
     (tmp_path / "taken").mkdir()
     assert "already exists" in _cli_error(capsys, str(ckpt), str(tmp_path / "taken"), "--to", "hf")
+
+
+def test_tied_embeddings_export(tmp_path):
+    """A model whose output layer shares the embedding's storage (saved once by torch.save) exports and reloads."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": True}))
+    model.config.save_pretrained(tmp_path / "config")
+    ckpt = _checkpoint(tmp_path / "tied.ckpt", model)
+    export_hf(ckpt, tmp_path / "hf", hf_config=tmp_path / "config")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

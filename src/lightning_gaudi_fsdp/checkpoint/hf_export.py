@@ -283,7 +283,13 @@ def _write_files(source: TensorSource, files: list[tuple[str, list[_Out]]], stag
     for file_name, group in files:
         wanted = dict.fromkeys(k for out in group for k in out.sources)
         inputs = source.read(wanted)
-        tensors = {out.name: _owned(out.make(inputs)) for out in group}
+        tensors, storages = {}, set()
+        for out in group:
+            tensor = _owned(out.make(inputs))
+            if tensor.untyped_storage().data_ptr() in storages:  # tied weights saved as one storage
+                tensor = tensor.clone()
+            storages.add(tensor.untyped_storage().data_ptr())
+            tensors[out.name] = tensor
         del inputs
         save_file(tensors, str(staging / file_name), metadata={"format": "pt"})
         del tensors
