@@ -38,9 +38,11 @@ class TensorSource:
     entries: dict[str, tuple[torch.Size, torch.dtype]]
     rest: dict[str, Any]
     _weights_only: bool = True
-    _full: dict[str, torch.Tensor] = field(default_factory=dict)
-    _shards: list[dict[str, Any]] = field(default_factory=list)
-    _meta: dict[str, Any] = field(default_factory=dict)
+    _full: dict[str, torch.Tensor] = field(default_factory=dict)  # a full checkpoint's (memory-mapped) state dict
+    _shards: list[dict[str, Any]] = field(default_factory=list)  # a local checkpoint's (memory-mapped) rank files
+    _layout: list[dict[str, Any]] = field(default_factory=list)  # its FSDP1 flat parameters
+    _owner: dict[str, str] = field(default_factory=dict)  # local: parameter name -> the key its shards are under
+    _engine: int = 1
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (each its own storage or a memory-mapped view); unknown names raise."""
@@ -52,7 +54,7 @@ class TensorSource:
             return {n: self._full[n] for n in names}
         if self.fmt == "sharded":
             return self._read_sharded(names)
-        if self._meta.get("engine", 1) == 2:
+        if self._engine == 2:
             return {n: self._read_fsdp2_local(n) for n in names}
         return self._read_fsdp1_local(names)
 
@@ -64,21 +66,20 @@ class TensorSource:
         return model
 
     def _read_fsdp2_local(self, name: str) -> torch.Tensor:
-        if name in self._meta["_flat_names"]:
+        if name in self._owner:
             return torch.cat([shard["model"][name] for shard in self._shards], dim=0)
         return self._shards[0]["model"][name]  # buffers: whole on every rank
 
     def _read_fsdp1_local(self, names: list[str]) -> dict[str, torch.Tensor]:
         from lightning_gaudi_fsdp.checkpoint.convert import _join_rank_slices
 
-        owner = self._meta["_owner"]
         out: dict[str, torch.Tensor] = {}
-        for entry in self._meta["flat_params"]:
-            wanted = [n for n in names if owner.get(n) == entry["key"]]
+        for entry in self._layout:
+            wanted = [n for n in names if self._owner.get(n) == entry["key"]]
             if wanted:
                 whole = unflatten(_join_rank_slices(s["model"][entry["key"]] for s in self._shards), entry)
                 out.update((n, whole[n]) for n in wanted)
-        out.update((n, self._shards[0]["model"][n]) for n in names if n not in owner)
+        out.update((n, self._shards[0]["model"][n]) for n in names if n not in self._owner)
         return {n: out[n] for n in names}
 
 
@@ -135,9 +136,18 @@ def _open_local(path: Path, weights_only: bool) -> TensorSource:
         missing = sorted(needed - set(shard.get("model", {})))
         if missing:
             raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[0]!r}")
-    flat_keys = set(managed.values())
     for key, value in shards[0]["model"].items():  # buffers and unmanaged parameters, whole on rank 0
-        if key not in flat_keys and key not in entries and isinstance(value, torch.Tensor):
+        if key not in needed and key not in entries and isinstance(value, torch.Tensor):
             entries[key] = (value.shape, value.dtype)
-    meta["_owner"], meta["_flat_names"] = managed, set(managed) if engine2 else set()
-    return TensorSource(path, "local", entries, rest, weights_only, _shards=shards, _meta=meta)
+    layout = [] if engine2 else meta["flat_params"]
+    return TensorSource(
+        path,
+        "local",
+        entries,
+        rest,
+        weights_only,
+        _shards=shards,
+        _layout=layout,
+        _owner=managed,
+        _engine=2 if engine2 else 1,
+    )
