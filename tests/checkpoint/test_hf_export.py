@@ -184,3 +184,30 @@ def test_tied_embeddings_export(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "lora_config",
+    [
+        {"target_modules": ["embed_tokens", "q_proj"]},  # an embedding adapter: B @ A transposed
+        {"target_modules": ["q_proj", "v_proj"], "use_rslora": True, "alpha_pattern": {"v_proj": 16}},
+        {"target_modules": ["k_proj"], "rank_pattern": {"k_proj": 2}},
+    ],
+    ids=["embedding", "rslora-alpha-pattern", "rank-pattern"],
+)
+def test_merged_export_equals_merge_and_unload_for_lora_variants(lora_config, tmp_path):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, **lora_config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.normal_()
+    ckpt = _checkpoint(tmp_path / "lora.ckpt", model)
+    base.config.save_pretrained(tmp_path / "config")
+    export_hf(ckpt, tmp_path / "merged", hf_config=tmp_path / "config", peft="merged")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    want = model.merge_and_unload().state_dict()
+    assert sorted(loaded) == sorted(want)
+    assert all(torch.equal(loaded[k], want[k]) for k in want), [k for k in want if not torch.equal(loaded[k], want[k])]

@@ -147,9 +147,8 @@ def _plan(
     if peft is not None and not adapters:
         raise ValueError(f"peft={peft!r} needs a checkpoint of a PEFT model; {src.path} holds no LoRA adapter weights")
 
-    def cast(t: torch.Tensor, target: torch.dtype | None = None) -> torch.Tensor:
-        target = target or (dtype if dtype is not None and t.is_floating_point() else t.dtype)
-        return t.to(target)
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     def nbytes(key: str) -> int:
         shape, source_dtype = src.entries[key]
@@ -166,6 +165,10 @@ def _plan(
             if is_adapter_key(n)
         ]
         return outs, config
+    if config.get("lora_bias"):
+        raise ValueError(
+            "merging adapters trained with lora_bias=True is not supported; export them with peft='adapter'"
+        )
     outs = []
     for n, k in names.items():
         if is_adapter_key(n):
@@ -181,19 +184,20 @@ def _plan(
             continue
         keys = [k, names[pair[0]], names[pair[1]]]
         scale = _scaling(config, layer, src.entries[keys[1]][0][0])
-        merge = functools.partial(_merge, keys=keys, scaling=scale, embedding=pair is embedding)
+        transpose = pair is embedding or bool(config.get("fan_in_fan_out"))  # PEFT's orientation of B @ A
+        merge = functools.partial(_merge, keys=keys, scaling=scale, transpose=transpose)
         outs.append(_Out(base_key(n), keys, nbytes(k), lambda ts, merge=merge: cast(merge(ts))))
     return outs, None
 
 
-def _merge(tensors: dict[str, torch.Tensor], keys: list[str], scaling: float, embedding: bool) -> torch.Tensor:
+def _merge(tensors: dict[str, torch.Tensor], keys: list[str], scaling: float, transpose: bool) -> torch.Tensor:
     """``W + B @ A * scaling`` as PEFT merges it: the delta in float32 for half-precision weights, added in W's
     dtype."""
     weight, a, b = (tensors[k] for k in keys)
     if weight.dtype in (torch.float16, torch.bfloat16):
         a, b = a.float(), b.float()
     delta = b @ a
-    delta = (delta.T if embedding else delta) * scaling
+    delta = (delta.T if transpose else delta) * scaling
     return weight + delta.to(weight.dtype)
 
 
