@@ -58,6 +58,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("epoch / step", f"{info['epoch']} / {info['global_step']}"),
         ("lightning", str(info.get("lightning_version"))),
     ]
+    hf = info.get("hf_model")
+    if hf is not None:  # what `convert --to hf` uses by default
+        peft = hf.get("peft") or {}
+        adapters = ", ".join(f"{name} (LoRA r={c.get('r')}, alpha={c.get('lora_alpha')})" for name, c in peft.items())
+        rows += [
+            ("hugging face model", f"under {hf.get('prefix')!r}" + (f"; PEFT adapters: {adapters}" if adapters else ""))
+        ]
     if info["format"] == "local":
         rows += [("sharding strategy", str(info["sharding_strategy"]))]
         if info["fsdp_units"] is not None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_gaudi_fsdp import cli
-from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
+from lightning_gaudi_fsdp.checkpoint.convert import describe, load_full_state
 from lightning_gaudi_fsdp.checkpoint.formats import PARAM_ID_NAMES_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import base_key, is_adapter_key
 
@@ -131,8 +131,11 @@ def test_lora_trains_adapters_like_one_process_and_leaves_the_base_bitwise(engin
 
 @ENGINES
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_saved_optimizer_state_holds_only_the_adapters(engine, trained, fmt):
+def test_saved_checkpoint_holds_adapter_optimizer_state_and_the_lora_config(engine, trained, fmt):
     _, paths = trained(engine, lora=True)
+    hf_model = describe(paths[fmt])["hf_model"]  # recorded at save time, shown by `inspect`, used by `convert --to hf`
+    assert hf_model["prefix"] == "model."
+    assert hf_model["peft"]["default"]["r"] == 4
     checkpoint, _ = load_full_state(paths[fmt])
     state = checkpoint["optimizer_states"][0]["state"]
     names = [checkpoint[PARAM_ID_NAMES_KEY][i] for i in state] if fmt == "full" else list(state)
