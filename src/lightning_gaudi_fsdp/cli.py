@@ -163,6 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
+    except (ValueError, OSError, ImportError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
         print(f"lightning-gaudi-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -242,6 +242,13 @@ def export_hf(
     bytes or a size such as ``"5GB"``. ``hf_config``: a model directory whose ``config.json`` (required for a model
     export) and tokenizer and generation files are copied. ``dst`` appears only once complete; nothing is overwritten.
     ``src`` is unpickled with ``weights_only`` (see :mod:`.trust`)."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "exporting to Hugging Face safetensors needs the safetensors package: pip install safetensors "
+            "(or the package's examples extra)"
+        ) from err
     target_dtype = resolve_dtype(dtype)
     max_bytes = resolve_shard_size(max_shard_size)
     if peft not in (None, "adapter", "merged"):
