@@ -2,7 +2,8 @@
 
 Each command parses its arguments, calls library functions, prints, and returns an exit code: 0 on success, 1 when
 ``doctor`` finds a blocking problem, 2 for a bad path, format or argument, or a checkpoint refused as unsafe (one line
-on stderr). ``inspect`` and ``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
+on stderr; also for a missing optional package such as ``safetensors`` for ``convert --to hf``). ``inspect`` and
+``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
 """
 
 from __future__ import annotations
