@@ -21,9 +21,15 @@ T = TypeVar("T")
 
 
 def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:
-    """Record the engine (and, for full checkpoints with optimizer state, the parameter names) in ``checkpoint``;
-    returns the local-format metadata (None for the other formats)."""
+    """Record the engine, where a Hugging Face model sits (and its PEFT configuration), and, for full checkpoints
+    with optimizer state, the parameter names in ``checkpoint``; returns the local-format metadata (None for the
+    other formats)."""
+    from lightning_gaudi_fsdp.checkpoint import hf_export
+
     checkpoint[formats.ENGINE_KEY] = door._fsdp_version
+    record = hf_export.hf_model_record(model)
+    if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
+        checkpoint[hf_export.HF_KEY] = record
     if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
         checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
     if door._state_dict_type != "local":

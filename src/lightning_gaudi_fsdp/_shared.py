@@ -369,21 +369,35 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
         # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
         broadcast_module_states(model)
         kwargs["sync_module_states"] = False
-    model = FSDP(
-        module=model,
-        cpu_offload=effective_cpu_offload(door),
-        mixed_precision=door.mixed_precision_config,
-        sharding_strategy=door.sharding_strategy,
-        device_id=fsdp_device(door),
-        **resolve_ignored(door, model),
-        **kwargs,
-    )
+    try:
+        model = FSDP(
+            module=model,
+            cpu_offload=effective_cpu_offload(door),
+            mixed_precision=door.mixed_precision_config,
+            sharding_strategy=door.sharding_strategy,
+            device_id=fsdp_device(door),
+            **resolve_ignored(door, model),
+            **kwargs,
+        )
+    except ValueError as err:
+        if "requires_grad=True and False" not in str(err):
+            raise
+        raise ValueError(_mixed_requires_grad_message(str(err))) from err
     _move_torchmetrics_to_device(model, door.root_device)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )
     keep_batch_dtypes(door, model)
     return model
+
+
+def _mixed_requires_grad_message(torch_message: str) -> str:
+    unit = torch_message.split(" has both", 1)[0]
+    return (
+        f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
+        "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
+        "pass use_orig_params=True (the default)"
+    )
 
 
 def keep_batch_dtypes(door: Any, model: Module) -> None:
