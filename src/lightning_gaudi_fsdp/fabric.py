@@ -9,7 +9,7 @@ The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are t
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
     ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
     ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). ``async_save`` is the
-    Trainer's alone: ``fabric.save`` returns once the checkpoint is committed.
+    Trainer's alone: ``fabric.save`` returns once the checkpoint is committed. With ``pretrained_weights``, a model
+    built under ``fabric.init_module()`` gets its parameters on the meta device and ``setup_module`` fills each rank's
+    shards from the file.
 
     ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
     ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
@@ -141,9 +143,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def module_sharded_context(self) -> AbstractContextManager:
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        if self._fsdp_version == 2:
-            return nullcontext()  # fully_shard has no wrap() to configure
-        return enable_wrap(**_shared.wrap_context_kwargs(self))
+        stack = ExitStack()
+        if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
+            stack.enter_context(enable_wrap(**_shared.wrap_context_kwargs(self)))
+        stack.enter_context(_shared.init_context(self))
+        return stack
 
     @override
     def clip_gradients_norm(

@@ -1,0 +1,459 @@
+"""Pretrained weights into a sharded model: each rank reads only the slices it owns.
+
+``pretrained_weights`` names a Hugging Face model directory (``model.safetensors``, or several files with
+``model.safetensors.index.json``), one ``.safetensors`` file, or a checkpoint of this strategy (full, sharded or
+local; its model weights only). The strategy builds the model with its parameters on the meta device
+(:func:`parameters_on_meta`; buffers such as rotary ``inv_freq`` are computed as usual), matches every parameter to a
+file key before wrapping (:func:`plan`, which raises :class:`PretrainedWeightsError` on any mismatch), gives the
+shards uninitialised memory while wrapping (:func:`empty_init`) and then copies into them (:func:`load`):
+
+- FSDP1: each original parameter's part of the rank's flat-parameter shard (``_shard_param_infos``);
+- FSDP2: each DTensor's local shard (rows of dimension 0).
+
+safetensors files are memory-mapped and read a slice at a time (``safe_open(...).get_slice(key)[a:b]``), so a rank
+reads about its shard. A checkpoint is read as a full state dict (memory-mapped for a full checkpoint file).
+Parameters no file covers are PEFT adapters, initialised as PEFT initialises them (LoRA ``B`` = 0, ``A``
+Kaiming-uniform; embedding adapters ``A`` = 0, ``B`` normal), the same on every rank and at every world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.nn import Module, Parameter
+
+from lightning_gaudi_fsdp.checkpoint import hf_names
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_ACCEPTED = (
+    "a Hugging Face model directory (model.safetensors or model.safetensors.index.json), a .safetensors file or a "
+    "checkpoint of this strategy (full file, sharded or local directory)"
+)
+_SHOWN = 3  # keys listed in a mismatch message
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class PretrainedWeightsError(ValueError):
+    """``pretrained_weights`` cannot be loaded into the model; the message names the path, the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A resolved ``pretrained_weights``: where the tensors are and how file keys become module keys."""
+
+    path: Path
+    kind: Literal["safetensors", "checkpoint"]
+    files: tuple[Path, ...]  # the safetensors files (empty for a checkpoint)
+    prefix: str = ""
+
+    def describe(self) -> str:
+        return f"pretrained_weights={str(self.path)!r}"
+
+
+def resolve(pretrained_weights: str | os.PathLike[str] | None, pretrained_prefix: str = "") -> Weights | None:
+    """Check ``pretrained_weights`` (it must exist and be one of the accepted kinds) and ``pretrained_prefix``."""
+    if not isinstance(pretrained_prefix, str):
+        raise TypeError(f"pretrained_prefix={pretrained_prefix!r} must be a string (e.g. 'model.' or '')")
+    if pretrained_weights is None:
+        if pretrained_prefix:
+            raise ValueError(f"pretrained_prefix={pretrained_prefix!r} needs pretrained_weights")
+        return None
+    if not isinstance(pretrained_weights, str | os.PathLike):
+        raise TypeError(f"pretrained_weights={pretrained_weights!r} must be a path; expected {_ACCEPTED}")
+    path = Path(pretrained_weights).expanduser()
+    shown = f"pretrained_weights={str(pretrained_weights)!r}"
+    if not path.exists():
+        raise PretrainedWeightsError(f"{shown} does not exist; expected {_ACCEPTED}")
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return Weights(path, "safetensors", (path,), pretrained_prefix)
+        return Weights(path, "checkpoint", (), pretrained_prefix)
+    if (path / INDEX).is_file():
+        return Weights(path, "safetensors", _indexed_files(path, shown), pretrained_prefix)
+    if (path / SINGLE).is_file():
+        return Weights(path, "safetensors", (path / SINGLE,), pretrained_prefix)
+    from lightning_gaudi_fsdp.checkpoint.formats import detect_format_or_none
+
+    if detect_format_or_none(path) is not None:
+        return Weights(path, "checkpoint", (), pretrained_prefix)
+    raise PretrainedWeightsError(
+        f"{shown} is a directory without {SINGLE}, {INDEX} or a checkpoint's metadata; expected {_ACCEPTED}"
+    )
+
+
+def _indexed_files(path: Path, shown: str) -> tuple[Path, ...]:
+    try:
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PretrainedWeightsError(f"{shown}: {INDEX} is not a safetensors index ({err})") from None
+    files = tuple(dict.fromkeys(path / name for name in weight_map.values()))
+    missing = [file.name for file in files if not file.is_file()]
+    if missing:
+        raise PretrainedWeightsError(f"{shown}: {INDEX} names {missing[0]}, which is missing")
+    return files
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+class Source:
+    """The tensors of a ``Weights``: shapes and dtypes of every key, and rows of dimension 0 of one key."""
+
+    def __init__(self, weights: Weights, *, weights_only: bool = True) -> None:
+        self.weights = weights
+        self._handles: dict[Path, Any] = {}
+        self._state: Mapping[str, torch.Tensor] | None = None
+        self.where: dict[str, str] = {}  # key -> file name, for messages
+        self._file_of: dict[str, Path] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
+        if weights.kind == "checkpoint":
+            from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
+
+            state = load_full_state(weights.path, weights_only=weights_only)[0].get("state_dict", {})
+            self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            for key, tensor in self._state.items():
+                self.meta[key] = (tuple(tensor.shape), tensor.dtype)
+                self.where[key] = weights.path.name
+            return
+        for file in weights.files:
+            handle = self._open(file)
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                self.meta[key] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
+                self.where[key] = file.name
+                self._file_of[key] = file
+
+    def _open(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as err:
+                raise PretrainedWeightsError(
+                    f"{self.weights.describe()}: {file.name} is not a readable safetensors file ({err})"
+                ) from None
+        return handle
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dimension 0 of ``key`` (the whole tensor for a 0-d one)."""
+        if self._state is not None:
+            tensor = self._state[key]
+            return tensor if tensor.dim() == 0 else tensor[start:stop]
+        handle = self._open(self._file_of[key])
+        if not self.meta[key][0]:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[start:stop]
+
+
+def _flat_range(read: Callable[[int, int], torch.Tensor], shape: tuple[int, ...], start: int, stop: int) -> Any:
+    """Elements ``start:stop`` of the flattened tensor, reading only the rows that hold them."""
+    if not shape:
+        return read(0, 1).reshape(-1)[start:stop]
+    row = math.prod(shape[1:]) or 1
+    first, last = start // row, -(-stop // row)
+    return read(first, last).reshape(-1)[start - first * row : stop - first * row]
+
+
+# ------------------------------------------------------------------------------------------------------ matching
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """Where one parameter's values come from: a file ``key``, or an ``adapter`` initialisation."""
+
+    shape: tuple[int, ...]
+    key: str | None = None
+    adapter: str | None = None  # "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"
+    init: Any = True  # PEFT's init_lora_weights for the adapter
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    source: Source
+    entries: dict[str, Entry]  # clean module key -> where its values come from
+    seed: int = 0  # adapters' random draws: the same on every rank (the strategy sets rank 0's seed)
+
+
+def _clean(name: str) -> str:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def plan(model: Module, weights: Weights, *, weights_only: bool = True) -> Plan:
+    """Match every parameter of the (unwrapped) ``model`` to a file key; raise :class:`PretrainedWeightsError` with
+    what does not fit, before any weight is read."""
+    source = Source(weights, weights_only=weights_only)
+    named = [(_clean(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
+    canonical: dict[int, str] = {}
+    aliases: set[str] = set()
+    for name, param in named:
+        if id(param) in canonical:
+            aliases.add(name)  # tied weights: the file may name either
+        else:
+            canonical[id(param)] = name
+    params = {name: p for name, p in named if name not in aliases}
+    init_of = _lora_inits(model)
+    prefix = weights.prefix
+    entries: dict[str, Entry] = {}
+    used: set[str] = set()
+    uncovered: list[str] = []
+    for index, (name, param) in enumerate(params.items()):
+        key = _file_key(name, prefix, source.meta)
+        if key is not None:
+            _check_fits(weights, source, key, name, param)
+            entries[name] = Entry(tuple(param.shape), key=key)
+            used.add(key)
+        elif hf_names.is_adapter_key(name):
+            entries[name] = _adapter_entry(weights, name, param, init_of, index)
+        else:
+            uncovered.append(name)
+    used.update(k for alias in aliases if (k := _file_key(alias, prefix, source.meta)) is not None)
+    unmatched = [key for key in source.meta if key not in used]
+    if unmatched or uncovered:
+        raise PretrainedWeightsError(_mismatch(weights, source, unmatched, uncovered, list(params)))
+    return Plan(source, entries)
+
+
+def _file_key(name: str, prefix: str, keys: Mapping[str, Any]) -> str | None:
+    for candidate in dict.fromkeys((name, hf_names.base_key(name))):
+        if candidate.startswith(prefix) and candidate[len(prefix) :] in keys:
+            return candidate[len(prefix) :]
+    return None
+
+
+def _check_fits(weights: Weights, source: Source, key: str, name: str, param: torch.Tensor) -> None:
+    shape, dtype = source.meta[key]
+    where = f"{weights.describe()}: file {source.where[key]!r} key {key!r}"
+    if tuple(shape) != tuple(param.shape):
+        raise PretrainedWeightsError(
+            f"{where} has shape {list(shape)} but parameter {name!r} has shape {list(param.shape)}"
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise PretrainedWeightsError(f"{where} has dtype {dtype!r}, which torch cannot read")
+    if dtype != param.dtype and not (dtype.is_floating_point and param.dtype.is_floating_point):
+        raise PretrainedWeightsError(
+            f"{where} has dtype {str(dtype).removeprefix('torch.')}, which does not convert to parameter {name!r} "
+            f"of dtype {str(param.dtype).removeprefix('torch.')} (only floating-point dtypes convert to each other)"
+        )
+
+
+def _mismatch(weights: Weights, source: Source, unmatched: list[str], uncovered: list[str], names: list[str]) -> str:
+    parts = [f"{weights.describe()} does not fit the model (pretrained_prefix={weights.prefix!r})"]
+    if unmatched:
+        shown = ", ".join(f"{k!r} ({source.where[k]})" for k in unmatched[:_SHOWN])
+        more = f" and {len(unmatched) - _SHOWN} more" if len(unmatched) > _SHOWN else ""
+        parts.append(f"{len(unmatched)} file key(s) match no parameter: {shown}{more}")
+    if uncovered:
+        shown = ", ".join(repr(k) for k in uncovered[:_SHOWN])
+        more = f" and {len(uncovered) - _SHOWN} more" if len(uncovered) > _SHOWN else ""
+        parts.append(f"{len(uncovered)} parameter(s) no file key covers: {shown}{more}")
+    suggestion = suggest_prefix(names, source.meta, weights.prefix)
+    if suggestion is not None:
+        parts.append(f"pretrained_prefix={suggestion[0]!r} would match {suggestion[1]} of {len(source.meta)} file keys")
+    return "; ".join(parts)
+
+
+def suggest_prefix(names: Iterable[str], keys: Mapping[str, Any], current: str = "") -> tuple[str, int] | None:
+    """The prefix (other than ``current``) under which the most file ``keys`` name a parameter, and how many."""
+    bases = [hf_names.base_key(n) for n in names]
+    counts: dict[str, int] = {}
+    for base in bases:
+        parts = base.split(".")
+        for cut in range(len(parts)):
+            tail = ".".join(parts[cut:])
+            if tail in keys:
+                head = ".".join(parts[:cut])
+                prefix = f"{head}." if head else ""
+                counts[prefix] = counts.get(prefix, 0) + 1
+    counts.pop(current, None)
+    if not counts:
+        return None
+    best = max(counts, key=lambda p: counts[p])
+    return best, counts[best]
+
+
+def _lora_inits(model: Module) -> dict[str, Any]:
+    """PEFT's ``init_lora_weights`` of each adapter name, from a ``peft_config`` found in ``model``."""
+    for module in model.modules():
+        config = getattr(module, "peft_config", None)
+        if isinstance(config, Mapping):
+            return {name: getattr(cfg, "init_lora_weights", True) for name, cfg in config.items()}
+    return {}
+
+
+def _adapter_entry(weights: Weights, name: str, param: torch.Tensor, inits: Mapping[str, Any], index: int) -> Entry:
+    parts = name.split(".")
+    kind = next(p for p in parts if p in hf_names.ADAPTER_SEGMENTS)
+    after = parts[parts.index(kind) + 1 :]
+    adapter = after[0] if after and after[0] != "weight" else "default"
+    init = inits.get(adapter, True)
+    if kind == "lora_magnitude_vector" or init not in (True, False, "gaussian"):
+        raise PretrainedWeightsError(
+            f"{weights.describe()}: parameter {name!r} is a PEFT adapter whose initialisation "
+            f"({'DoRA magnitude' if kind == 'lora_magnitude_vector' else f'init_lora_weights={init!r}'}) needs the "
+            "base weights; with pretrained_weights, adapters support init_lora_weights=True, False or 'gaussian'"
+        )
+    return Entry(tuple(param.shape), adapter=kind, init=init, seed=index)
+
+
+def adapter_values(entry: Entry, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """The full adapter tensor as PEFT initialises it, drawn from a generator seeded by ``seed`` and the
+    parameter's position, so every rank (and every world size) draws the same values."""
+    generator = torch.Generator().manual_seed(seed + entry.seed)
+    out = torch.empty(entry.shape, dtype=torch.float32)
+    kind, init = entry.adapter, entry.init
+    if kind == "lora_B" or (kind == "lora_embedding_A" and init is not False):
+        out.zero_()
+    elif kind == "lora_embedding_B" or (kind == "lora_A" and init == "gaussian"):
+        std = 1.0 / entry.shape[0] if kind == "lora_A" else 1.0
+        out.normal_(0.0, std, generator=generator)
+    else:  # lora_A (init True: Kaiming-uniform with a = sqrt(5), as nn.Linear; init False: the same, B random)
+        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+    if init is False and kind in ("lora_B", "lora_embedding_A"):
+        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+    return out.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- building
+@contextmanager
+def parameters_on_meta() -> Generator[None, None, None]:
+    """Modules built inside get their parameters on the meta device (no memory, no initialisation); buffers are
+    computed as usual (rotary ``inv_freq`` is not in weights files). Parameters are created empty and moved, one at
+    a time, as accelerate's ``init_empty_weights(include_buffers=False)`` does."""
+    original = Module.register_parameter
+
+    def register(module: Module, name: str, param: Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(vars(param))
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_init(device: torch.device) -> Callable[[Module], None]:
+    """A ``param_init_fn``: give the module's meta parameters (and meta buffers) uninitialised memory on ``device``;
+    tensors already materialised (buffers computed at construction) are kept."""
+
+    def init(module: Module) -> None:
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
+
+    return init
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+@torch.no_grad()
+def load(model: Module, prepared: Plan) -> int:
+    """Copy the rank's part of every planned parameter into the sharded ``model`` (FSDP1 or FSDP2). Returns the
+    number of elements written."""
+    from lightning_gaudi_fsdp.engine import fsdp2
+
+    if fsdp2.is_fsdp2(model):
+        return _load_fsdp2(model, prepared)
+    return _load_fsdp1(model, prepared)
+
+
+def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Callable[[int, int], torch.Tensor]:
+    if entry.key is not None:
+        key = entry.key
+        return lambda start, stop: prepared.source.rows(key, start, stop)
+    full = adapter_values(entry, dtype, prepared.seed)
+    return lambda start, stop: full if full.dim() == 0 else full[start:stop]
+
+
+def _load_fsdp1(model: Module, prepared: Plan) -> int:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    written = 0
+    seen: set[str] = set()
+    for unit_name, unit in model.named_modules():
+        if not isinstance(unit, FSDP) or unit._handle is None:
+            continue
+        flat = unit._handle.flat_param
+        prefix = _clean(unit_name)
+        local = flat.data
+        for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos, strict=True):
+            name = f"{prefix}.{fqn}" if prefix else fqn
+            seen.add(name)
+            if not info.in_shard:
+                continue
+            entry = prepared.entries[name]
+            start, stop = info.intra_param_start_idx, info.intra_param_end_idx + 1
+            values = _flat_range(_reader(prepared, name, entry, local.dtype), tuple(shape), start, stop)
+            local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(values)
+            written += stop - start
+    written += _load_unmanaged(model, prepared, seen)
+    return written
+
+
+def _load_fsdp2(model: Module, prepared: Plan) -> int:
+    from torch.distributed.tensor import DTensor
+
+    written = 0
+    seen: set[str] = set()
+    for raw, param in model.named_parameters():
+        name = _clean(raw)
+        if not isinstance(param, DTensor) or name not in prepared.entries:
+            continue
+        seen.add(name)
+        entry = prepared.entries[name]
+        local = param.to_local()
+        if local.numel() == 0:
+            continue
+        start = _dim0_offset(param)
+        read = _reader(prepared, name, entry, local.dtype)
+        local.copy_(read(start, start + local.shape[0]) if local.dim() else read(0, 1))
+        written += local.numel()
+    written += _load_unmanaged(model, prepared, seen)
+    return written
+
+
+def _dim0_offset(param: Any) -> int:
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch < 2.5 kept it under torch.distributed._tensor
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
+
+
+def _load_unmanaged(model: Module, prepared: Plan, seen: set[str]) -> int:
+    """Parameters that no FSDP unit shards (``ignored_modules``/``ignored_states``): whole tensors."""
+    written = 0
+    for raw, param in model.named_parameters():
+        name = _clean(raw)
+        if name in seen or name not in prepared.entries or param.is_meta:
+            continue
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):
+            continue
+        entry = prepared.entries[name]
+        param.data.copy_(_reader(prepared, name, entry, param.dtype)(0, param.shape[0] if param.dim() else 1))
+        written += param.numel()
+    return written
