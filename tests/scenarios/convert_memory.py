@@ -3,35 +3,11 @@ of memory-mapped checkpoint files are the kernel's page cache and are left out),
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
-from common import load_config, status_bytes, write_json
+from common import PeakSampler, load_config, write_json
 
 from lightning_gaudi_fsdp.checkpoint.convert import convert, describe
-
-
-class PeakSampler:
-    def __init__(self) -> None:
-        self.base = status_bytes("RssAnon")
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status_bytes("RssAnon"))
-            time.sleep(0.002)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, status_bytes("RssAnon"))
 
 
 def main() -> None:
