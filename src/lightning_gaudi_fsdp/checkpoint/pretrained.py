@@ -307,6 +307,8 @@ def _adapter_entry(weights: Weights, name: str, param: torch.Tensor, inits: Mapp
     after = parts[parts.index(kind) + 1 :]
     adapter = after[0] if after and after[0] != "weight" else "default"
     init = inits.get(adapter, True)
+    if isinstance(init, str) and init.lower() == "gaussian":
+        init = "gaussian"
     if kind == "lora_magnitude_vector" or init not in (True, False, "gaussian"):
         raise PretrainedWeightsError(
             f"{weights.describe()}: parameter {name!r} is a PEFT adapter whose initialisation "
@@ -322,15 +324,17 @@ def adapter_values(entry: Entry, dtype: torch.dtype, seed: int = 0) -> torch.Ten
     generator = torch.Generator().manual_seed(seed + entry.seed)
     out = torch.empty(entry.shape, dtype=torch.float32)
     kind, init = entry.adapter, entry.init
-    if kind == "lora_B" or (kind == "lora_embedding_A" and init is not False):
+    if kind in ("lora_A", "lora_B"):
+        if out.dim() < 2 or (kind == "lora_B" and init is not False):
+            out.zero_()  # B (and any LoRA bias) starts at zero: the adapted model equals the base model
+        elif kind == "lora_A" and init == "gaussian":
+            out.normal_(0.0, 1.0 / entry.shape[0], generator=generator)
+        else:  # nn.Linear's own initialisation, which PEFT keeps for A (and for B with init_lora_weights=False)
+            torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+    elif kind == "lora_embedding_A" and init is not False:
         out.zero_()
-    elif kind == "lora_embedding_B" or (kind == "lora_A" and init == "gaussian"):
-        std = 1.0 / entry.shape[0] if kind == "lora_A" else 1.0
-        out.normal_(0.0, std, generator=generator)
-    else:  # lora_A (init True: Kaiming-uniform with a = sqrt(5), as nn.Linear; init False: the same, B random)
-        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
-    if init is False and kind in ("lora_B", "lora_embedding_A"):
-        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+    else:  # embedding B (and A with init_lora_weights=False): standard normal, as PEFT creates them
+        out.normal_(0.0, 1.0, generator=generator)
     return out.to(dtype)
 
 
