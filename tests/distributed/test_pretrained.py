@@ -53,8 +53,9 @@ def held_fraction(run, ranks: int = 2) -> list[float]:
 def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(scenario, llama_dir, engine, door):
     assert len(list(llama_dir.glob("model-*.safetensors"))) > 2  # split into several files, with an index
     prefix = "" if door == "fabric" else "model."
-    run = scenario({"weights": str(llama_dir), "prefix": prefix, "engine": engine, "door": door, "steps": 3},
-                   script="pretrained.py")
+    trainer = door == "trainer"
+    cfg = {"weights": str(llama_dir), "prefix": prefix, "engine": engine, "door": door, "steps": 3}
+    run = scenario({**cfg, "then_validate": trainer}, script="pretrained.py")
     final = run.final()
     expected = file_tensors(llama_dir)
     assert final["loaded"].keys() == expected.keys()
@@ -69,3 +70,58 @@ def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(
     for key, value in reference["weights"].items():
         torch.testing.assert_close(final["final"][key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert not all(torch.equal(final["final"][k], v) for k, v in expected.items())  # training moved the weights
+    if trainer:  # a later trainer.validate loads the file again; with ckpt_path the checkpoint overrides it
+        val = [run.rank(r)["validate_losses"][0] for r in range(2)]
+        assert run.rank(0)["validate_meta_after_configure_model"] is True
+        assert sum(val) / 2 == pytest.approx(reference["val_loss"], rel=1e-5)
+        validated = torch.load(run.out / "validate.pt")
+        assert all(torch.equal(validated[k], v) for k, v in expected.items())
+        resumed = torch.load(run.out / "resumed.pt")
+        assert all(torch.equal(resumed[k], v) for k, v in final["final"].items())
+
+
+@pytest.mark.parametrize("engine", [1, 2])
+def test_peft_model_gets_the_base_weights_of_a_plain_directory_on_two_ranks(scenario, llama_dir, engine):
+    """``get_peft_model`` in ``configure_model``: ``base_layer`` names match the file's, adapters start as PEFT
+    starts them and equal what one process draws with the same seed (any world size)."""
+    peft = pytest.importorskip("peft")
+    from lightning_gaudi_fsdp.checkpoint import hf_names, pretrained
+
+    cfg = {"weights": str(llama_dir), "prefix": "model.base_model.model.", "engine": engine, "peft": True}
+    run = scenario({**cfg, "stage": "validate"}, script="pretrained.py")
+    loaded = run.final()["loaded"]
+    expected = file_tensors(llama_dir)
+    base = {k: v for k, v in loaded.items() if not hf_names.is_adapter_key(k)}
+    assert {hf_names.base_key(k).removeprefix("base_model.model.") for k in base} == expected.keys()
+    assert all(
+        torch.equal(v, expected[hf_names.base_key(k).removeprefix("base_model.model.")]) for k, v in base.items()
+    )
+    adapters = {k: v for k, v in loaded.items() if hf_names.is_adapter_key(k)}
+    assert len(adapters) == 8
+    assert all(torch.count_nonzero(v) == 0 for k, v in adapters.items() if ".lora_B." in k)
+    torch.manual_seed(7)  # the scenario's seed: one process draws the same adapters
+    with pretrained.parameters_on_meta():
+        alone = peft.get_peft_model(
+            transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(llama_dir)),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
+    plan = pretrained.plan(alone, pretrained.resolve(llama_dir, "base_model.model."))
+    for module in alone.modules():
+        pretrained.empty_init(torch.device("cpu"))(module)
+    pretrained.load(alone, plan)
+    assert all(torch.equal(v, alone.state_dict()[k]) for k, v in adapters.items())
+    assert all(run.rank(r)["meta_after_configure_model"] for r in range(2))
+
+
+def test_a_file_that_does_not_fit_fails_on_every_rank_before_training(scenario, llama_dir):
+    cfg = {"weights": str(llama_dir), "prefix": "", "engine": 1, "expect_error": True}
+    run = scenario(cfg, script="pretrained.py")
+    errors = [json.loads((run.out / f"error{r}.json").read_text()) for r in range(2)]
+    assert [e["type"] for e in errors] == ["PretrainedWeightsError"] * 2
+    assert errors[0]["message"] == errors[1]["message"]
+    assert errors[0]["message"].startswith(
+        f"pretrained_weights={str(llama_dir)!r} does not fit the model (pretrained_prefix=''); 21 file key(s) match "
+        "no parameter: 'lm_head.weight' (model-00006-of-00006.safetensors)"
+    )
+    assert errors[0]["message"].endswith("pretrained_prefix='model.' would match 21 of 21 file keys")
+    assert not (run.out / "rank0.json").exists()  # no step ran

@@ -67,6 +67,8 @@ def rotary_ok(model: torch.nn.Module, cfg: dict[str, Any]) -> bool:
 
 def reference(cfg: dict[str, Any], data: torch.Tensor) -> dict[str, Any]:
     model = transformers.LlamaForCausalLM.from_pretrained(cfg["weights"], dtype=torch.float32)
+    with torch.no_grad():
+        val_loss = float(model(input_ids=data[0], labels=data[0]).loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for batch in data:
@@ -75,7 +77,8 @@ def reference(cfg: dict[str, Any], data: torch.Tensor) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"weights": weights, "losses": losses, "val_loss": val_loss}
 
 
 class FineTune(L.LightningModule):
@@ -125,33 +128,67 @@ def run_trainer(cfg: dict[str, Any], out: Path) -> None:
 
     module = FineTune(cfg)
     strategy = GaudiFSDPStrategy(**strategy_args(cfg))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg.get("steps", 3), **QUIET_TRAINER)
     loaded: dict[str, torch.Tensor] = {}
-
-    class Probe(L.Callback):
-        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            model = trainer.strategy.model
-            module.info.update(held=held(model), rotary_ok=rotary_ok(model, cfg))
-            loaded.update(loaded_state(cfg, model, trainer.global_rank, "model."))
-
-    trainer.callbacks.append(Probe())
+    quiet = {**QUIET_TRAINER, "limit_val_batches": 1 if cfg.get("stage") == "validate" else 0}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=cfg.get("steps", 3),
+        callbacks=[Probe(module.info, loaded, cfg)],
+        **quiet,
+    )
     sampler = PeakSampler()
     with sampler:
         trainer.fit(module) if cfg.get("stage", "fit") == "fit" else trainer.validate(module)
     rank = trainer.global_rank
     final = loaded_state(cfg, trainer.strategy.model, rank, "model.")
-    if cfg.get("then_validate"):  # a fresh module and Trainer: the validate stage loads the file again
-        fresh = FineTune(cfg)
-        validator = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=GaudiFSDPStrategy(**strategy_args(cfg)),
-            **{**QUIET_TRAINER, "limit_val_batches": 1},
-        )
-        validator.validate(fresh)
-        module.info["validate_losses"] = fresh.info.get("val_losses")
-        module.info["validate_meta_after_configure_model"] = fresh.info.get("meta_after_configure_model")
+    if cfg.get("then_validate"):
+        # a fresh module and Trainer: the validate stage loads the file again; with ckpt_path the checkpoint wins
+        trainer.save_checkpoint(out / "fit.ckpt")
+        for tag, ckpt_path in (("validate", None), ("resumed", str(out / "fit.ckpt"))):
+            fresh, state = FineTune(cfg), {}
+            validator = L.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=GaudiFSDPStrategy(**strategy_args(cfg)),
+                callbacks=[Probe(fresh.info, {}, cfg, after_restore=state)],
+                **{**QUIET_TRAINER, "limit_val_batches": 1},
+            )
+            validator.validate(fresh, ckpt_path=ckpt_path)
+            module.info[f"{tag}_losses"] = fresh.info.get("val_losses")
+            module.info[f"{tag}_meta_after_configure_model"] = fresh.info.get("meta_after_configure_model")
+            if rank == 0:
+                torch.save(state, out / f"{tag}.pt")
     finish(cfg, out, rank, module.info, sampler, loaded, final)
+
+
+class Probe(L.Callback):
+    """At the start of the stage (weights loaded, before any step): what the ranks hold, gathered on rank 0;
+    ``after_restore``: the weights once ``ckpt_path`` was restored (at the first validation batch)."""
+
+    def __init__(
+        self, info: dict[str, Any], loaded: dict[str, Any], cfg: dict[str, Any], after_restore: dict | None = None
+    ) -> None:
+        self.info, self.loaded, self.cfg, self.after_restore = info, loaded, cfg, after_restore
+
+    def _probe(self, trainer: L.Trainer) -> None:
+        if "held" in self.info:
+            return
+        model = trainer.strategy.model
+        self.info.update(held=held(model), rotary_ok=rotary_ok(model, self.cfg))
+        self.loaded.update(loaded_state(self.cfg, model, trainer.global_rank, "model."))
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._probe(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._probe(trainer)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.after_restore is not None and not self.after_restore:
+            state = loaded_state(self.cfg, trainer.strategy.model, trainer.global_rank, "model.")
+            self.after_restore.update(state or {"rank": trainer.global_rank})
 
 
 def run_fabric(cfg: dict[str, Any], out: Path) -> None:

@@ -190,7 +190,7 @@ class Entry:
 class Plan:
     source: Source
     entries: dict[str, Entry]  # clean module key -> where its values come from
-    seed: int = 0  # adapters' random draws: the same on every rank (the strategy sets rank 0's seed)
+    seed: int = 0  # adapters' random draws (torch's seed; the strategy sets rank 0's on every rank)
 
 
 def _clean(name: str) -> str:
@@ -231,7 +231,7 @@ def plan(model: Module, weights: Weights, *, weights_only: bool = True) -> Plan:
     unmatched = [key for key in source.meta if key not in used]
     if unmatched or uncovered:
         raise PretrainedWeightsError(_mismatch(weights, source, unmatched, uncovered, list(params)))
-    return Plan(source, entries)
+    return Plan(source, entries, torch.initial_seed())
 
 
 def _file_key(name: str, prefix: str, keys: Mapping[str, Any]) -> str | None:
