@@ -135,7 +135,7 @@ class Source:
             return
         for file in weights.files:
             handle = self._open(file)
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 piece = handle.get_slice(key)
                 self.meta[key] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
                 self.where[key] = file.name
