@@ -14,6 +14,12 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    state and plain fsync'd writes of the same bytes (the disk's limit), measured in that engine's run; loading the
    sharded one at world sizes 1 and 4. Targets: full save <= 1.5 x torch.save, sharded and local saves >= 0.5 of
    the disk's rate, rank 0 memory added by a full save <= 1.3 x the state's bytes.
+4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved with
+   ``save_pretrained`` in several files) is built and its weights put into the shards, with
+   ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
+   (``from_pretrained`` on every rank, then sharding), against the model's bytes. Target: with
+   ``pretrained_weights``, <= 0.75 of one model per rank at 2 ranks (its shard is 0.5). ``--smoke`` measures
+   FSDP1 only.
 
 Writes ``benchmarks/results/latest.json`` (with a ``summary`` of every ratio against its target) and
 ``benchmarks/results/latest.png``. Runs on CPU with gloo (each measurement in its own processes); the numbers are
@@ -43,6 +49,11 @@ ENGINES = ("fsdp1", "fsdp2")
 SHARDINGS = {"fsdp1": ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"), "fsdp2": ("SHARD_GRAD_OP", "FULL_SHARD")}
 WORLD_SIZES = (1, 2, 4)
 TARGETS = {"step_ratio": 1.05, "memory_ratio": 1.05}
+PRETRAINED_TARGET = 0.75  # peak added per rank / model bytes, 2 ranks
+PRETRAINED_SIZES = {  # vocab, hidden, layers, intermediate, heads: ~0.1 M and ~70 M parameters
+    "smoke": (256, 64, 2, 128, 4),
+    "full": (8192, 768, 8, 2048, 12),
+}
 CHECKPOINT_TARGETS = {"full_save_vs_torch_save": 1.5, "throughput_vs_disk": 0.5, "full_peak_rss_vs_state": 1.3}
 
 
@@ -199,19 +210,66 @@ def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return results
 
 
+def _save_llama(size: str, where: Path) -> int:
+    """A randomly initialised Llama saved with ``save_pretrained`` in several files; returns its fp32 bytes."""
+    import torch
+    import transformers
+
+    vocab, hidden, layers, intermediate, heads = PRETRAINED_SIZES[size]
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(where, max_shard_size="100MB" if size == "full" else "200KB")
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def bench_pretrained(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    size = "smoke" if args.smoke else "full"
+    weights = tmp / "llama-hf"
+    model_bytes = _save_llama(size, weights)
+    engines = ENGINES[:1] if args.smoke else ENGINES
+    out: dict[str, Any] = {"model_bytes": model_bytes, "world_size": args.world_size, "target": PRETRAINED_TARGET}
+    for engine in engines:
+        out[engine] = {}
+        for contender in ("strategy", "from_pretrained"):
+            cfg = {"engine": engine, "contender": contender, "weights": str(weights), "world_size": args.world_size}
+            ranks = _worker("pretrained_load", cfg, tmp)["ranks"]
+            peak = max(r["peak_added"] for r in ranks)
+            out[engine][contender] = {
+                "ranks": ranks,
+                "peak_added": peak,
+                "peak_vs_model": peak / model_bytes,
+                "shard_bytes": max(r["shard_bytes"] for r in ranks),
+                "load_s": max(r["load_s"] for r in ranks),
+            }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; seconds, for CI")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the overhead contenders")
     parser.add_argument("--steps", type=int, default=12, help="steps per overhead run (the first 2 are warm-up)")
-    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint"], action="append")
+    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint", "pretrained"], action="append")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps = min(args.rounds, 1), min(args.steps, 4)
-    wanted = args.only or ["overhead", "memory", "checkpoint"]
-    benches = {"overhead": bench_overhead, "memory": bench_memory, "checkpoint": bench_checkpoint}
+    wanted = args.only or ["overhead", "memory", "checkpoint", "pretrained"]
+    benches = {
+        "overhead": bench_overhead,
+        "memory": bench_memory,
+        "checkpoint": bench_checkpoint,
+        "pretrained": bench_pretrained,
+    }
     results: dict[str, Any] = {"schema": SCHEMA}
     with tempfile.TemporaryDirectory() as tmp:
         for name in wanted:
