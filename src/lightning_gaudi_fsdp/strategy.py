@@ -222,6 +222,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
+            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
                 self._cache_off_in_training = activation.apply_cache_off_in_training(model)
