@@ -270,28 +270,40 @@ def load_sharded(rank: int, cfg: dict[str, Any]) -> None:
     _leave()
 
 
-class _PeakAnon:
-    """Peak anonymous memory (``RssAnon``, what the process allocates; memory-mapped file pages are the page
-    cache's) while active, sampled every 2 ms."""
+class _Peaks:
+    """Peaks of anonymous memory (``RssAnon``: what the process allocates) and of resident memory including mapped
+    file pages (``RssAnon + RssFile``; file pages are the page cache, shared by every rank reading the same file),
+    sampled every 2 ms while active, above what the process held before."""
 
-    def __enter__(self) -> _PeakAnon:
+    def __enter__(self) -> _Peaks:
         import threading
 
-        self.base = self.peak = _status_bytes("RssAnon")
+        self._base = self._now()
+        self.anon = self.resident = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
+    @staticmethod
+    def _now() -> tuple[int, int]:
+        anon = _status_bytes("RssAnon")
+        return anon, anon + _status_bytes("RssFile")
+
+    def _sample(self) -> None:
+        anon, resident = self._now()
+        self.anon = max(self.anon, anon - self._base[0])
+        self.resident = max(self.resident, resident - self._base[1])
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _status_bytes("RssAnon"))
+            self._sample()
             time.sleep(0.002)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _status_bytes("RssAnon"))
+        self._sample()
 
 
 def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
@@ -311,7 +323,7 @@ def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=cfg["world_size"], strategy=GaudiFSDPStrategy(**args))
     fabric.launch()
     started = time.perf_counter()
-    with _PeakAnon() as peak:
+    with _Peaks() as peak:
         if cfg["contender"] == "strategy":
             with fabric.init_module():
                 model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(cfg["weights"]))
@@ -320,7 +332,8 @@ def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
         model = fabric.setup_module(model)
     seconds = time.perf_counter() - started
     row = {
-        "peak_added": peak.peak - peak.base,
+        "peak_added": peak.anon,
+        "peak_resident_added": peak.resident,
         "shard_bytes": _report.held_elements(model._forward_module) * 4,
         "load_s": seconds,
     }
