@@ -2,9 +2,10 @@
 every rank through ``pretrained_weights``, through the Trainer's or Fabric's door, then fine-tuned.
 
 Usage: python pretrained.py CONFIG.json (ranks started by the scenario pool, torchrun-style). Config: ``weights``
-(the directory), ``prefix``, ``engine`` (1/2), ``door`` ("trainer"/"fabric"), ``steps``, ``peft`` (LoRA on q/v),
-``memory`` (sample each rank's peak anonymous memory around construction and loading), ``baseline`` (no strategy
-help: every rank calls ``from_pretrained`` and wraps the full model), ``expect_error``.
+(the directory), ``prefix``, ``engine`` (1/2), ``door`` ("trainer"/"fabric"), ``steps``, ``stage`` ("fit" or
+"validate"), ``then_validate`` (Trainer: fresh validate runs after fit, without and with ``ckpt_path``), ``peft``
+(LoRA on q/v), ``mmap_threshold`` (glibc's, for memory measurements), ``gather`` (False: no full state dicts),
+``reference``, ``expect_error``.
 
 Rank 0 writes ``final.pt``: the file's tensors as loaded (gathered full state dict before training), the weights
 after ``steps`` steps, and a reference trained in the same process from ``from_pretrained`` on the whole batch.
@@ -35,8 +36,6 @@ def tokens(cfg: dict[str, Any], vocab: int) -> torch.Tensor:
 
 def build(cfg: dict[str, Any]) -> torch.nn.Module:
     config = transformers.LlamaConfig.from_pretrained(cfg["weights"])
-    if cfg.get("baseline"):
-        return transformers.LlamaForCausalLM.from_pretrained(cfg["weights"], dtype=torch.float32)
     model: torch.nn.Module = transformers.LlamaForCausalLM(config)
     if cfg.get("peft"):
         import peft
@@ -46,10 +45,12 @@ def build(cfg: dict[str, Any]) -> torch.nn.Module:
 
 
 def strategy_args(cfg: dict[str, Any]) -> dict[str, Any]:
-    args = {"auto_wrap_policy": [LAYER], "fsdp_version": cfg.get("engine", 1)}
-    if not cfg.get("baseline"):
-        args.update(pretrained_weights=cfg["weights"], pretrained_prefix=cfg.get("prefix", ""))
-    return args
+    return {
+        "auto_wrap_policy": [LAYER],
+        "fsdp_version": cfg.get("engine", 1),
+        "pretrained_weights": cfg["weights"],
+        "pretrained_prefix": cfg.get("prefix", ""),
+    }
 
 
 def held(model: torch.nn.Module) -> int:
@@ -206,7 +207,7 @@ def run_fabric(cfg: dict[str, Any], out: Path) -> None:
         info["meta_after_configure_model"] = all(p.is_meta for p in model.parameters())
         model = fabric.setup_module(model)
     info.update(held=held(model), rotary_ok=rotary_ok(model, cfg))
-    loaded = loaded_state(cfg, model._forward_module, rank, "")
+    loaded = loaded_state(cfg, model._forward_module, rank, "") if cfg.get("gather", True) else {}
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     for batch in tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg["weights"]).vocab_size):
         mine = batch[rank::world]
@@ -215,7 +216,8 @@ def run_fabric(cfg: dict[str, Any], out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
         info.setdefault("losses", []).append(float(loss))
-    finish(cfg, out, rank, info, sampler, loaded, loaded_state(cfg, model._forward_module, rank, ""))
+    final = loaded_state(cfg, model._forward_module, rank, "") if cfg.get("gather", True) else {}
+    finish(cfg, out, rank, info, sampler, loaded, final)
 
 
 def finish(
@@ -240,6 +242,12 @@ def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("mmap_threshold"):
+        # glibc: blocks above this size are mmap'ed and go back to the OS when freed (a fixed threshold, as
+        # MALLOC_MMAP_THRESHOLD_ sets in a fresh process), so the memory peak counts live tensors, not glibc's cache
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, int(cfg["mmap_threshold"]))  # M_MMAP_THRESHOLD
     torch.manual_seed(7)
     try:
         (run_fabric if cfg.get("door") == "fabric" else run_trainer)(cfg, out)
