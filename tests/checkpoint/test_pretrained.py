@@ -188,13 +188,19 @@ def test_meta_construction_keeps_buffers_and_loads_bitwise_what_transformers_loa
         assert [k for k, v in expected.items() if not torch.equal(state[k], v)] == []
 
 
-def test_a_checkpoint_of_this_strategy_is_a_source(tmp_path, llama_dir):
-    """A full checkpoint (Lightning's layout: ``state_dict`` under the LightningModule's names)."""
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_checkpoint_of_this_strategy_is_a_source(tmp_path, llama_dir, fmt):
+    """A full checkpoint (Lightning's layout: ``state_dict`` under the LightningModule's names), and the sharded one
+    ``convert`` makes of it."""
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
     reference = transformers.LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     checkpoint = tmp_path / "run.ckpt"
-    torch.save(
-        {"state_dict": {f"model.{k}": v for k, v in reference.state_dict().items()}, "global_step": 5}, checkpoint
-    )
+    state = {f"model.{k}": v for k, v in reference.state_dict().items()}
+    torch.save({"state_dict": state, "global_step": 5, "pytorch-lightning_version": "2.6.6"}, checkpoint)
+    if fmt == "sharded":
+        convert(checkpoint, tmp_path / "sharded", "sharded")
+        checkpoint = tmp_path / "sharded"
 
     class Wrapper(nn.Module):
         def __init__(self) -> None:
@@ -234,3 +240,20 @@ def test_peft_base_weights_load_from_a_plain_directory_and_adapters_start_as_pef
     other_rank = on_meta(build)  # another rank (or world size) draws the same adapters
     materialise_and_load(other_rank, pretrained.resolve(llama_dir, "base_model.model."))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other_rank.parameters(), strict=True))
+
+
+def test_adapters_whose_initialisation_needs_the_base_weights_are_refused(llama_dir):
+    peft = pytest.importorskip("peft")
+
+    def build() -> nn.Module:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+        return peft.get_peft_model(llama(), config)
+
+    with pytest.raises(PretrainedWeightsError) as err:
+        pretrained.plan(on_meta(build), pretrained.resolve(llama_dir, "base_model.model."))
+    assert str(err.value) == (
+        f"pretrained_weights={str(llama_dir)!r}: parameter "
+        "'base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight' is a PEFT adapter "
+        "whose initialisation (DoRA magnitude) needs the base weights; with pretrained_weights, adapters support "
+        "init_lora_weights=True, False or 'gaussian'"
+    )
