@@ -132,6 +132,11 @@ def resolve(
             "param_init_fn and pretrained_weights cannot be combined: with pretrained_weights the strategy builds "
             "the parameters on the meta device and fills them from the file (PEFT adapters as PEFT initialises them)"
         )
+    if weights is not None and parent["sync_module_states"]:
+        raise ValueError(
+            "sync_module_states=True and pretrained_weights cannot be combined: every rank reads its own shards from "
+            "the file, there is no rank 0 model to broadcast"
+        )
     ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
     ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
     if ignored_modules is not None and ignored_states is not None:

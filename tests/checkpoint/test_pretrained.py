@@ -110,6 +110,8 @@ def test_bad_arguments_fail_at_construction_naming_the_value(door, tmp_path, lla
         door(pretrained_weights=str(llama_dir), pretrained_prefix=3)
     with pytest.raises(ValueError, match="param_init_fn and pretrained_weights cannot be combined"):
         door(pretrained_weights=str(llama_dir), param_init_fn=lambda m: None)
+    with pytest.raises(ValueError, match="sync_module_states=True and pretrained_weights cannot be combined"):
+        door(pretrained_weights=str(llama_dir), sync_module_states=True)
 
 
 def test_pretrained_weights_from_yaml(llama_dir):
