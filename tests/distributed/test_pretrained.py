@@ -86,6 +86,8 @@ def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(
         assert all(torch.equal(validated[k], v) for k, v in expected.items())
         resumed = torch.load(run.out / "resumed.pt")
         assert all(torch.equal(resumed[k], v) for k, v in final["final"].items())
+        from_checkpoint = torch.load(run.out / "from_checkpoint.pt")  # a checkpoint as pretrained_weights
+        assert all(torch.equal(from_checkpoint[k], v) for k, v in final["final"].items())
 
 
 @pytest.mark.parametrize("engine", [1, pytest.param(2, marks=pytest.mark.slow)])

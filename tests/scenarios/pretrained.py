@@ -3,9 +3,9 @@ every rank through ``pretrained_weights``, through the Trainer's or Fabric's doo
 
 Usage: python pretrained.py CONFIG.json (ranks started by the scenario pool, torchrun-style). Config: ``weights``
 (the directory), ``prefix``, ``engine`` (1/2), ``door`` ("trainer"/"fabric"), ``steps``, ``stage`` ("fit" or
-"validate"), ``then_validate`` (Trainer: fresh validate runs after fit, without and with ``ckpt_path``), ``peft``
-(LoRA on q/v), ``mmap_threshold`` (glibc's, for memory measurements), ``gather`` (False: no full state dicts),
-``reference``, ``expect_error``.
+"validate"), ``then_validate`` (Trainer: fresh validate runs after fit, without and with ``ckpt_path``, and from the
+fit's checkpoint as ``pretrained_weights``), ``peft`` (LoRA on q/v), ``mmap_threshold`` (glibc's, for memory
+measurements), ``gather`` (False: no full state dicts), ``reference``, ``expect_error``.
 
 Rank 0 writes ``final.pt``: the file's tensors as loaded (gathered full state dict before training), the weights
 after ``steps`` steps, and a reference trained in the same process from ``from_pretrained`` on the whole batch.
@@ -147,12 +147,19 @@ def run_trainer(cfg: dict[str, Any], out: Path) -> None:
     if cfg.get("then_validate"):
         # a fresh module and Trainer: the validate stage loads the file again; with ckpt_path the checkpoint wins
         trainer.save_checkpoint(out / "fit.ckpt")
-        for tag, ckpt_path in (("validate", None), ("resumed", str(out / "fit.ckpt"))):
+        # and a checkpoint of this strategy as pretrained_weights (its keys are the LightningModule's: no prefix)
+        from_checkpoint = {"weights": str(out / "fit.ckpt"), "prefix": ""}
+        runs = (
+            ("validate", None, {}),
+            ("resumed", str(out / "fit.ckpt"), {}),
+            ("from_checkpoint", None, from_checkpoint),
+        )
+        for tag, ckpt_path, source in runs:
             fresh, state = FineTune(cfg), {}
             validator = L.Trainer(
                 accelerator="cpu",
                 devices=2,
-                strategy=GaudiFSDPStrategy(**strategy_args(cfg)),
+                strategy=GaudiFSDPStrategy(**strategy_args({**cfg, **source})),
                 callbacks=[Probe(fresh.info, {}, cfg, after_restore=state)],
                 **{**QUIET_TRAINER, "limit_val_batches": 1},
             )
