@@ -48,21 +48,28 @@ def held_fraction(run, ranks: int = 2) -> list[float]:
     return [run.rank(r)["held"] / total for r in range(ranks)]
 
 
-# both engines and both doors in the default run; the other two pairs with -m slow (CI budget, issue #18)
+# both engines and both doors in the default run; the other pairs, and FSDP1 with flat parameters only
+# (use_orig_params=False), with -m slow (CI budget, issue #18)
+FLAT = {"use_orig_params": False}
 ENGINE_DOOR = [
-    (1, "trainer"),
-    (2, "fabric"),
-    pytest.param(2, "trainer", marks=pytest.mark.slow),
-    pytest.param(1, "fabric", marks=pytest.mark.slow),
+    pytest.param(1, "trainer", {}, id="1-trainer"),
+    pytest.param(2, "fabric", {}, id="2-fabric"),
+    pytest.param(2, "trainer", {}, marks=pytest.mark.slow, id="2-trainer"),
+    pytest.param(1, "fabric", {}, marks=pytest.mark.slow, id="1-fabric"),
+    pytest.param(1, "trainer", FLAT, marks=pytest.mark.slow, id="1-trainer-flat"),
+    pytest.param(1, "fabric", FLAT, marks=pytest.mark.slow, id="1-fabric-flat"),
 ]
 
 
-@pytest.mark.parametrize(("engine", "door"), ENGINE_DOOR)
-def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(scenario, llama_dir, engine, door):
+@pytest.mark.parametrize(("engine", "door", "strategy"), ENGINE_DOOR)
+def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(
+    scenario, llama_dir, engine, door, strategy
+):
     assert len(list(llama_dir.glob("model-*.safetensors"))) > 2  # split into several files, with an index
     prefix = "" if door == "fabric" else "model."
     trainer = door == "trainer"
     cfg = {"weights": str(llama_dir), "prefix": prefix, "engine": engine, "door": door, "steps": 3}
+    cfg["strategy"] = strategy
     run = scenario({**cfg, "then_validate": trainer}, script="pretrained.py")
     final = run.final()
     expected = file_tensors(llama_dir)

@@ -5,7 +5,8 @@ Usage: python pretrained.py CONFIG.json (ranks started by the scenario pool, tor
 (the directory), ``prefix``, ``engine`` (1/2), ``door`` ("trainer"/"fabric"), ``steps``, ``stage`` ("fit" or
 "validate"), ``then_validate`` (Trainer: fresh validate runs after fit, without and with ``ckpt_path``, and from the
 fit's checkpoint as ``pretrained_weights``), ``peft`` (LoRA on q/v), ``mmap_threshold`` (glibc's, for memory
-measurements), ``gather`` (False: no full state dicts), ``reference``, ``expect_error``.
+measurements), ``gather`` (False: no full state dicts), ``strategy`` (more strategy arguments), ``reference``,
+``expect_error``.
 
 Rank 0 writes ``final.pt``: the file's tensors as loaded (gathered full state dict before training), the weights
 after ``steps`` steps, and a reference trained in the same process from ``from_pretrained`` on the whole batch.
@@ -46,6 +47,7 @@ def build(cfg: dict[str, Any]) -> torch.nn.Module:
 
 def strategy_args(cfg: dict[str, Any]) -> dict[str, Any]:
     return {
+        **cfg.get("strategy", {}),
         "auto_wrap_policy": [LAYER],
         "fsdp_version": cfg.get("engine", 1),
         "pretrained_weights": cfg["weights"],
