@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import socket
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +29,9 @@ from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
+from lightning_gaudi_fsdp.checkpoint import pretrained
+
+log = logging.getLogger("lightning_gaudi_fsdp")
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -48,6 +53,7 @@ class Resolved:
     eager_pipeline: bool | None
     keep_batch_dtypes: bool
     check_free_space: bool | None
+    pretrained: pretrained.Weights | None
 
 
 def resolve(
@@ -75,6 +81,8 @@ def resolve(
     eager_pipeline: Any = None,
     fsdp_version: Any = 1,
     check_free_space: Any = None,
+    pretrained_weights: Any = None,
+    pretrained_prefix: Any = "",
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -117,6 +125,17 @@ def resolve(
         "limit_all_gathers": limit,
         "use_orig_params": orig,
     }
+    weights = pretrained.resolve(pretrained_weights, pretrained_prefix)
+    if weights is not None and parent["param_init_fn"] is not None:
+        raise ValueError(
+            "param_init_fn and pretrained_weights cannot be combined: with pretrained_weights the strategy builds "
+            "the parameters on the meta device and fills them from the file (PEFT adapters as PEFT initialises them)"
+        )
+    if weights is not None and parent["sync_module_states"]:
+        raise ValueError(
+            "sync_module_states=True and pretrained_weights cannot be combined: every rank reads its own shards from "
+            "the file, there is no rank 0 model to broadcast"
+        )
     ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
     ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
     if ignored_modules is not None and ignored_states is not None:
@@ -140,6 +159,7 @@ def resolve(
         check_free_space=None
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
+        pretrained=weights,
     )
 
 
@@ -177,6 +197,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._eager_pipeline = resolved.eager_pipeline
     door._keep_batch_dtypes = resolved.keep_batch_dtypes
     door._check_free_space = resolved.check_free_space
+    door._pretrained = resolved.pretrained
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -365,6 +386,9 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     kwargs = dict(door.kwargs)
+    prepared = plan_pretrained(door, model)
+    if prepared is not None:
+        kwargs["param_init_fn"] = pretrained.empty_init(fsdp_device(door))
     if kwargs.get("sync_module_states") and fsdp_device(door).type == "cpu":
         # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
         broadcast_module_states(model)
@@ -384,6 +408,7 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
             raise
         raise ValueError(_mixed_requires_grad_message(str(err))) from err
     _move_torchmetrics_to_device(model, door.root_device)
+    load_pretrained(door, model, prepared)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )
@@ -397,6 +422,42 @@ def _mixed_requires_grad_message(torch_message: str) -> str:
         f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
         "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
         "pass use_orig_params=True (the default)"
+    )
+
+
+def init_context(door: Any) -> AbstractContextManager:
+    """Around the model's construction (``configure_model``, ``fabric.init_module()``): with ``pretrained_weights``,
+    parameters are created on the meta device (the shards get the file's values after wrapping)."""
+    return pretrained.parameters_on_meta() if door._pretrained is not None else nullcontext()
+
+
+def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
+    """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
+    so every rank raises them before any collective); adapters draw from rank 0's seed."""
+    if door._pretrained is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        raise ValueError(
+            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
+            "and let auto_wrap_policy choose the FSDP units"
+        )
+    prepared = pretrained.plan(model, door._pretrained)
+    prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
+    return prepared
+
+
+def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) -> None:
+    """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
+    if prepared is None:
+        return
+    written = pretrained.load(model, prepared)
+    log.info(
+        "rank %d: %d pretrained elements read from %s into its shards",
+        door.global_rank,
+        written,
+        door._pretrained.path,
     )
 
 
@@ -431,6 +492,7 @@ def shard_fsdp2(door: Any, model: Module) -> Module:
 
     from lightning_gaudi_fsdp.engine import fsdp2
 
+    prepared = plan_pretrained(door, model)
     ignored = resolve_ignored(door, model)
     if door.kwargs.get("sync_module_states"):
         broadcast_module_states(model)
@@ -449,7 +511,9 @@ def shard_fsdp2(door: Any, model: Module) -> Module:
         ignored_params=_ignored_parameters(ignored),
         root_casts_inputs=not door._keep_batch_dtypes,
     )
-    fsdp2.materialize_meta(model, fsdp_device(door), door.kwargs.get("param_init_fn"))
+    init_fn = pretrained.empty_init(fsdp_device(door)) if prepared is not None else door.kwargs.get("param_init_fn")
+    fsdp2.materialize_meta(model, fsdp_device(door), init_fn)
+    load_pretrained(door, model, prepared)
     if door.kwargs.get("forward_prefetch"):
         fsdp2.set_forward_prefetch(units)
     if door.process_group_backend == "hccl":

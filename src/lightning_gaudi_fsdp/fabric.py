@@ -12,7 +12,7 @@ import atexit
 import functools
 import weakref
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), with the same
     defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
     ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
-    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``).
+    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). With
+    ``pretrained_weights``, a model built under ``fabric.init_module()`` gets its parameters on the meta device and
+    ``setup_module`` fills each rank's shards from the file.
 
     ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
     ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
@@ -146,6 +148,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             if not fsdp2.is_fsdp2(module):
                 _shared.shard_fsdp2(self, module)
         elif any(isinstance(m, FSDP) for m in module.modules()):
+            _shared.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
             module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
             if isinstance(module, FSDP):
                 _shared.keep_batch_dtypes(self, module)
@@ -173,9 +176,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def module_sharded_context(self) -> AbstractContextManager:
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        if self._fsdp_version == 2:
-            return nullcontext()  # fully_shard has no wrap() to configure
-        return enable_wrap(**_shared.wrap_context_kwargs(self))
+        stack = ExitStack()
+        if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
+            stack.enter_context(enable_wrap(**_shared.wrap_context_kwargs(self)))
+        stack.enter_context(_shared.init_context(self))
+        return stack
 
     @override
     def clip_gradients_norm(

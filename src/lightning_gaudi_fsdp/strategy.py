@@ -94,6 +94,16 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             ``ModelCheckpoint`` rotates out is removed only after the newer one committed. A background save that
             fails raises ``CheckpointSaveError`` on every rank at the next save or at the end of fit. Saves outside
             ``fit`` (or after it) stay synchronous. README: "Saving in the background".
+        pretrained_weights: start from these weights: a Hugging Face model directory (``model.safetensors``, or
+            several files with ``model.safetensors.index.json``), one ``.safetensors`` file, or a checkpoint of
+            this strategy (full, sharded or local; its model weights only: step 0, fresh optimizer). The model built
+            in ``configure_model`` gets its parameters on the meta device, and after wrapping each rank reads only
+            the slices of its own shards (every stage: fit, validate, test, predict; ``ckpt_path`` still overrides
+            them). A parameter the file does not cover, or a file key that fits no parameter, fails before training
+            with the keys named; PEFT adapters are initialised as PEFT does. README: "Fine-tuning a Hugging Face
+            model".
+        pretrained_prefix: prepended to every file key to name the module parameter it fills (e.g. ``"model."``
+            when the LightningModule holds the Hugging Face model as ``self.model``).
     """
 
     strategy_name = "gaudi_fsdp"
@@ -128,6 +138,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         eager_pipeline: bool | None = None,
         fsdp_version: int = 1,
         check_free_space: bool | None = None,
+        pretrained_weights: str | None = None,
+        pretrained_prefix: str = "",
         async_save: bool = False,
     ) -> None:
         resolved = _shared.resolve_from(locals())
@@ -197,6 +209,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
+            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
                 self._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -228,7 +241,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(**_shared.wrap_context_kwargs(self)):
+        with enable_wrap(**_shared.wrap_context_kwargs(self)), _shared.init_context(self):
             yield
 
     @override

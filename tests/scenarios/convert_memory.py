@@ -6,37 +6,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import load_config, status_bytes, write_json
+from common import PeakSampler, load_config, write_json
 
 from lightning_gaudi_fsdp.checkpoint.convert import convert, describe
 from lightning_gaudi_fsdp.checkpoint.hf_export import export_hf
-
-
-class PeakSampler:
-    def __init__(self) -> None:
-        self.base = status_bytes("RssAnon")
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status_bytes("RssAnon"))
-            time.sleep(0.002)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, status_bytes("RssAnon"))
 
 
 def measure_export(src: str, dst: str, kwargs: dict) -> dict:
