@@ -170,3 +170,21 @@ def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     assert float(mid) < 0.8 * float(start)
     assert float(end) < 0.8 * float(start)
     assert float(again) < 0.8 * float(start)  # the resumed run starts from the trained weights
+
+
+def test_finetune_hf_round_trip_loads_lora_trains_and_exports(tmp_path):
+    proc = _run([str(ROOT / "examples" / "finetune_hf.py"), "--steps", "24"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"CPU processes \(no Gaudi found\): loss: first=([\d.]+) last=([\d.]+) steps=24", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    first, last = map(float, match.groups())
+    assert last < first  # the adapters learn; the base started from its pretrained weights (first < ln(128) = 4.85)
+    assert first < 3.0
+    run = tmp_path / "runs" / "finetune"
+    assert sorted(p.name for p in (run / "hf-adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert (run / "hf-merged" / "config.json").is_file()
+    sample = re.search(r"sample from \S+: \[5, 8, 11, 14(, \d+){8}\]", proc.stdout)
+    assert sample, proc.stdout[-2000:]
