@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from lightning_gaudi_fsdp import _compat
+
 log = logging.getLogger(__name__)
 
 _PREFIX = "lightning_gaudi_fsdp/liveness"
@@ -211,7 +213,7 @@ class Heartbeat:
         verdict = self.on_failure(exception)
         message = verdict.message(self.rank, self.world_size) if verdict is not None else None
         if message:
-            exception.add_note(message)
+            _compat.add_note(exception, message)
             log.error(f"[rank {self.rank}] {message}")
         return message
 
