@@ -1,5 +1,9 @@
 """Which rank was lost: each rank's identity and heartbeat in the rendezvous store, read when a collective fails.
 
+Every wait for other ranks outside a collective is bounded by ``failure_timeout`` (seconds; the strategy argument,
+else ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60): the rendezvous (:func:`bounded_rendezvous`), and a rank whose
+heartbeat lost the store during ``fit`` (its host is gone) leaves after that long if nothing else ended it first.
+
 When one process dies (SIGKILL, the out-of-memory killer, a segfault in a kernel), the survivors' next collective
 fails with a transport message such as gloo's "Connection closed by peer [addr]:port", which names a socket, not a
 rank. Each rank therefore writes its node and process id to the rendezvous store and bumps a counter there every
@@ -10,21 +14,87 @@ window: a rank that is gone without a recorded error is the one that was lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from lightning_gaudi_fsdp import options
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
 _LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that starts the other ranks
+_BOUND_ENV = "LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT"
+DEFAULT_FAILURE_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
 _launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
+
+
+def failure_timeout(value: float | None) -> float:
+    """The bound in seconds: ``value`` (the strategy's resolved ``failure_timeout``) when given, else
+    ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60. Read where the strategy is built, so a bad value in the
+    environment fails before any process starts. (This module reads its own variables: they are about launching and
+    liveness on any device, not about Gaudi's runtime, which ``gaudi.py`` owns.)"""
+    if value is not None:
+        return value
+    text = os.environ.get(_BOUND_ENV, "").strip()
+    if not text:
+        return DEFAULT_FAILURE_TIMEOUT_S
+    try:
+        number: Any = float(text)
+    except ValueError:
+        number = text
+    return options.resolve_failure_timeout(number, _BOUND_ENV) or DEFAULT_FAILURE_TIMEOUT_S
+
+
+def _leave(message: str) -> None:
+    """Print ``message`` and end this process at once with exit code 1 (from any thread: a main thread blocked in a
+    C++ wait would never see an exception raised here)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _where() -> str:
+    return f"node {socket.gethostname()}, pid {os.getpid()}"
+
+
+@contextlib.contextmanager
+def bounded_rendezvous(bound_s: float, who: Callable[[], tuple[int, int]]) -> Iterator[None]:
+    """Around the creation of the process group (and of what needs every rank right after it): if it has not
+    finished within ``bound_s`` seconds, print who waited for what and leave with exit code 1. Without it a rank whose
+    peer (or the store's host) died before or during the rendezvous waits out the whole process-group timeout (30
+    minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(bound_s):
+            return
+        rank, world_size = who()
+        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        _leave(
+            f"lightning_gaudi_fsdp: rank {rank} of {world_size} ({_where()}) waited {bound_s:g} s (failure_timeout) "
+            f"for the rendezvous at {host}:{port} and not every rank joined: a rank, or the host of the rendezvous "
+            "store (global rank 0, or torchrun's agent on node 0), is gone or never started; this rank leaves "
+            "instead of waiting out the process-group timeout"
+        )
+
+    thread = threading.Thread(target=watch, name="lgf-rendezvous-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def mark_launcher() -> None:
@@ -48,7 +118,6 @@ def leave_with_launcher() -> None:
     if not launcher or launcher == os.getpid():
         return
     import signal
-    import sys
 
     if os.getppid() == launcher:
         try:
@@ -60,12 +129,10 @@ def leave_with_launcher() -> None:
         return
     if _process_alive(launcher):
         return  # not our parent and still running: an outer launch whose variable leaked into this environment
-    sys.stderr.write(
+    _leave(
         f"lightning_gaudi_fsdp: the process that launched this rank (pid {launcher}, global rank 0) is gone; this "
-        "rank leaves instead of waiting for a rendezvous that cannot happen\n"
+        "rank leaves instead of waiting for a rendezvous that cannot happen"
     )
-    sys.stderr.flush()
-    os._exit(1)
 
 
 @dataclass
@@ -149,11 +216,14 @@ def _connect(timeout_s: float) -> Any:
 class Heartbeat:
     """A daemon thread that bumps this rank's counter in the rendezvous store every ``interval_s`` seconds."""
 
-    def __init__(self, rank: int, world_size: int, node: str, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, node: str, interval_s: float = 1.0, bound_s: float | None = None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.node = node
         self.interval_s = interval_s
+        self.bound_s = DEFAULT_FAILURE_TIMEOUT_S if bound_s is None else bound_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._run = _run_id()
@@ -188,8 +258,23 @@ class Heartbeat:
                     asked_by = store.get(dump).decode()
                     store.delete_key(dump)
                     _dump_stacks(self.rank, asked_by)
-            except Exception:  # the store went away with its host; the main thread will find out on its own
+            except Exception as err:  # noqa: BLE001 - the store went away with its host
+                self._store_lost(err)
                 return
+
+    def _store_lost(self, err: BaseException) -> None:
+        """The store's host is gone. The main thread usually finds out at its next collective and fails with its own
+        error; if it is still running ``bound_s`` later (blocked where no peer's death reaches it) and nobody stopped
+        the heartbeat (``teardown``, also on the way out of a failure), this rank leaves."""
+        if self._stop.wait(self.bound_s):
+            return
+        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        _leave(
+            f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) lost the rendezvous store at "
+            f"{host}:{port} ({type(err).__name__}) {self.bound_s:g} s ago (failure_timeout) and is still running: "
+            "the store's host (global rank 0, or torchrun's agent on node 0) is gone, so the job cannot go on; this "
+            "rank leaves"
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -259,7 +344,6 @@ class Heartbeat:
 def _dump_stacks(rank: int, asked_by: str) -> None:
     """Print every thread's Python stack to stderr (from the heartbeat thread, while the main thread is stuck)."""
     import faulthandler
-    import sys
 
     sys.stderr.write(f"lightning_gaudi_fsdp: rank {rank} stack, asked by rank {asked_by} (its collective failed):\n")
     sys.stderr.flush()

@@ -50,6 +50,7 @@ class Resolved:
     eager_pipeline: bool | None
     keep_batch_dtypes: bool
     check_free_space: bool | None
+    failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
 
 
 def resolve(
@@ -77,6 +78,7 @@ def resolve(
     eager_pipeline: Any = None,
     fsdp_version: Any = 1,
     check_free_space: Any = None,
+    failure_timeout: Any = None,
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -142,6 +144,7 @@ def resolve(
         check_free_space=None
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
+        failure_timeout=_liveness.failure_timeout(options.resolve_failure_timeout(failure_timeout)),
     )
 
 
@@ -179,6 +182,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._eager_pipeline = resolved.eager_pipeline
     door._keep_batch_dtypes = resolved.keep_batch_dtypes
     door._check_free_space = resolved.check_free_space
+    door._failure_timeout = resolved.failure_timeout
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -215,8 +219,10 @@ class GaudiPlatform:
 
     def setup_environment(self) -> None:
         before_process_group(self)
-        super().setup_environment()  # type: ignore[misc]
-        after_process_group(self, heartbeat=self._heartbeat_on)
+        # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
+        with _liveness.bounded_rendezvous(self._failure_timeout, lambda: (self.global_rank, self.world_size)):  # type: ignore[attr-defined]
+            super().setup_environment()  # type: ignore[misc]
+            after_process_group(self, heartbeat=self._heartbeat_on)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -289,7 +295,7 @@ def after_process_group(door: Any, heartbeat: bool = True) -> None:
         door.kwargs["device_mesh"] = door._device_mesh
     if heartbeat and door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
-        door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node)
+        door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node, bound_s=door._failure_timeout)
         door._heartbeat.start()
 
 
