@@ -144,14 +144,25 @@ class Verdict:
     errors: list[tuple[int, str]] = field(default_factory=list)
     store_unreachable: str | None = None
     stuck: list[int] = field(default_factory=list)  # alive, no error of their own: asked to print their stacks
+    agent_store: bool = False  # torchrun's agent holds the store (not global rank 0)
 
     def message(self, rank: int, world_size: int) -> str | None:
         if self.store_unreachable is not None:
+            if self.agent_store:
+                where = (
+                    "under torchrun the store lives in the agent of node 0, which ends the job (and the store) as "
+                    "soon as one of its workers exits: a rank was lost or failed, and torchrun's failure summary "
+                    "names it"
+                )
+            else:
+                where = (
+                    "under Lightning's launcher and SLURM the store lives in global rank 0's process, so rank 0 was "
+                    "most likely lost: its own output shows an error if it raised one, nothing if it was killed, ran "
+                    "out of memory or crashed"
+                )
             return (
                 f"lightning_gaudi_fsdp: rank {rank} could not reach the rendezvous store ({self.store_unreachable}); "
-                "under Lightning's launcher the store lives in global rank 0's process, so rank 0 was most likely "
-                "lost: its own output shows an error if it raised one, nothing if it was killed, ran out of memory "
-                "or crashed"
+                + where
             )
         parts = []
         if self.lost:
@@ -307,7 +318,8 @@ class Heartbeat:
             if not peer_failure:
                 return None
             host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            return Verdict(store_unreachable=f"{host}:{port}: {type(err).__name__}")
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            return Verdict(store_unreachable=f"{host}:{port}: {type(err).__name__}", agent_store=agent)
         reported = {r for _, r, _, _ in errors}
         own_errors = [(r, text) for _, r, peer, text in sorted(errors) if not peer]
         stuck = sorted(set(range(self.world_size)) - gone - reported - {self.rank})

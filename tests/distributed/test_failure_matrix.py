@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from conftest import SCENARIOS, _env, _free_port
 
 BLOCK = "common.Block"
@@ -98,10 +99,10 @@ def _commands(launcher: str, cfg_file: Path, port: int) -> list[tuple[list[str],
     ]
 
 
-def run_job(launcher: str, cfg: dict, tmp_path: Path, timeout: float = 240, shell: bool = False) -> Job:
+def run_job(launcher: str, cfg: dict, tmp_path: Path, timeout: float = 240, under_shell: bool = False) -> Job:
     """Start the job's processes (each in a session of its own, as a user's shell or srun would), wait until every
     process carrying this job's marker is gone, or ``timeout``; then kill whatever is left (and report it).
-    ``shell``: start each command from ``sh -c 'cmd &'``, a parent that exits at once (the job then runs under
+    ``under_shell``: start each command from ``sh -c 'cmd &'``, a parent that exits at once (the job then runs under
     whoever adopts it), and wait for the job by its marker alone."""
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +117,7 @@ def run_job(launcher: str, cfg: dict, tmp_path: Path, timeout: float = 240, shel
         log = tmp_path / f"process{i}.log"
         logs.append(log)
         with open(log, "w") as sink:
-            if shell:
+            if under_shell:
                 quoted = " ".join(f"'{part}'" for part in cmd)
                 cmd = ["sh", "-c", f"{quoted} >'{log}' 2>&1 </dev/null &"]
             procs.append(
@@ -218,7 +219,7 @@ def test_a_job_whose_parent_shell_exits_keeps_running_and_finishes(tmp_path, lau
     its launcher dying. Every rank trains to the end and writes its results."""
     cfg = {"strategy": {"auto_wrap_policy": [BLOCK], "failure_timeout": BOUND_S}, "module": {"n_samples": 64}}
     cfg["max_steps"] = 3
-    job = run_job(launcher, cfg, tmp_path, timeout=180, shell=True)
+    job = run_job(launcher, cfg, tmp_path, timeout=180, under_shell=True)
     assert not job.leftovers, job.output[-6000:]
     assert job.codes == [0] * len(job.codes)  # the shells
     for rank in (0, 1):
