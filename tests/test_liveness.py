@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+
+import pytest
 
 from lightning_gaudi_fsdp._liveness import Verdict, _process_alive
 
@@ -52,3 +55,85 @@ def test_a_rank_whose_launcher_is_gone_leaves_at_once_and_an_unrelated_live_pid_
     alive = _leave_with_launcher_in_a_child("1")
     assert alive.returncode == 0
     assert alive.stdout.strip() == "stayed"
+
+
+def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds(monkeypatch):
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy, _liveness
+
+    monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", raising=False)
+    assert GaudiFSDPStrategy()._failure_timeout == 60.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "25")
+    assert GaudiFSDPStrategy()._failure_timeout == 25.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT='soon' is not supported; expected a"):
+        GaudiFSDPStrategy()
+    with pytest.raises(ValueError, match=r"failure_timeout=-1 is not supported; expected a positive number of seconds"):
+        GaudiFSDPStrategy(failure_timeout=-1)
+    assert _liveness.DEFAULT_FAILURE_TIMEOUT_S == 60.0
+
+
+_RENDEZVOUS_CHILD = """
+import sys, time
+from lightning_gaudi_fsdp import _liveness
+with _liveness.bounded_rendezvous(1.0, lambda: (1, 2)):
+    time.sleep(0.1)  # a rendezvous that finishes in time
+time.sleep(1.5)  # past the bound: nothing fires once it finished
+print("stayed", flush=True)
+with _liveness.bounded_rendezvous(1.0, lambda: (1, 2)):
+    time.sleep(60)  # never finishes: a peer or the store's host is gone
+print("still here", flush=True)
+"""
+
+
+def test_a_rendezvous_that_does_not_finish_within_the_bound_ends_the_process_with_a_message():
+    env = {**os.environ, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RENDEZVOUS_CHILD], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.split() == ["stayed"]
+    assert re.search(
+        r"lightning_gaudi_fsdp: rank 1 of 2 \(node .+, pid \d+\) was in the rendezvous at 10\.1\.2\.3:29500; "
+        r"waited 1 s \(failure_timeout\) and not every rank joined",
+        proc.stderr,
+    ), proc.stderr
+    assert time.monotonic() - started < 60
+
+
+_HEARTBEAT_CHILD = """
+import time
+from lightning_gaudi_fsdp import _liveness
+_liveness.Heartbeat(1, 2, "elsewhere", interval_s=0.2, bound_s=1.0).start()
+print("beating", flush=True)
+time.sleep(60)  # a main thread blocked where the loss of the store never reaches it
+"""
+
+
+def test_a_rank_that_lost_the_store_during_fit_leaves_after_the_bound():
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    env.pop("LIGHTNING_GAUDI_FSDP_HEARTBEAT", None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HEARTBEAT_CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "beating"
+        assert store.add("lightning_gaudi_fsdp/liveness/0/beat/1", 0) >= 1  # it reached the store
+        del store  # its host is gone
+        lost = time.monotonic()
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 1
+    assert time.monotonic() - lost < 30
+    assert re.search(
+        r"lightning_gaudi_fsdp: rank 1 of 2 \(node .+, pid \d+\) lost the rendezvous store at 127\.0\.0\.1:\d+ "
+        r"\(\w+\) 1 s ago \(failure_timeout\) and is still running",
+        stderr,
+    ), stderr

@@ -69,24 +69,42 @@ def _where() -> str:
 
 
 @contextlib.contextmanager
-def bounded_rendezvous(bound_s: float, who: Callable[[], tuple[int, int]]) -> Iterator[None]:
+def bounded_rendezvous(
+    bound_s: float, who: Callable[[], tuple[int, int]], children: Callable[[], list[int]] | None = None
+) -> Iterator[None]:
     """Around the creation of the process group (and of what needs every rank right after it): if it has not
     finished within ``bound_s`` seconds, print who waited for what and leave with exit code 1. Without it a rank whose
     peer (or the store's host) died before or during the rendezvous waits out the whole process-group timeout (30
-    minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires."""
+    minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires.
+
+    ``children()``: process ids of the ranks this process started (Lightning's launcher). One that is gone ends the
+    wait at once; and when they are all the other ranks and all still run, the rendezvous can still complete (they
+    are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short."""
     done = threading.Event()
 
     def watch() -> None:
-        if done.wait(bound_s):
-            return
-        rank, world_size = who()
-        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-        _leave(
-            f"lightning_gaudi_fsdp: rank {rank} of {world_size} ({_where()}) waited {bound_s:g} s (failure_timeout) "
-            f"for the rendezvous at {host}:{port} and not every rank joined: a rank, or the host of the rendezvous "
-            "store (global rank 0, or torchrun's agent on node 0), is gone or never started; this rank leaves "
-            "instead of waiting out the process-group timeout"
-        )
+        deadline = time.monotonic() + bound_s
+        while not done.wait(0.5):
+            rank, world_size = who()
+            pids = children() if children is not None else []
+            dead = [pid for pid in pids if not _process_alive(pid)]
+            if dead:
+                reason = (
+                    f"the rank{'s' if len(dead) > 1 else ''} it started (pid {', '.join(map(str, dead))}) ended "
+                    "before joining"
+                )
+            elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1):
+                continue
+            else:
+                reason = (
+                    f"waited {bound_s:g} s (failure_timeout) and not every rank joined: a rank, or the host of the "
+                    "rendezvous store (global rank 0, or torchrun's agent on node 0), is gone or never started"
+                )
+            host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+            _leave(
+                f"lightning_gaudi_fsdp: rank {rank} of {world_size} ({_where()}) was in the rendezvous at "
+                f"{host}:{port}; {reason}; this rank leaves instead of waiting out the process-group timeout"
+            )
 
     thread = threading.Thread(target=watch, name="lgf-rendezvous-watch", daemon=True)
     thread.start()

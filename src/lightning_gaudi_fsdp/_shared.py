@@ -220,7 +220,11 @@ class GaudiPlatform:
     def setup_environment(self) -> None:
         before_process_group(self)
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
-        with _liveness.bounded_rendezvous(self._failure_timeout, lambda: (self.global_rank, self.world_size)):  # type: ignore[attr-defined]
+        with _liveness.bounded_rendezvous(
+            self._failure_timeout,  # type: ignore[attr-defined]
+            lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
+            lambda: launched_pids(self),
+        ):
             super().setup_environment()  # type: ignore[misc]
             after_process_group(self, heartbeat=self._heartbeat_on)
 
@@ -232,6 +236,11 @@ class GaudiPlatform:
         for name in ("gaudi_fsdp", "hpu_fsdp"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
+
+
+def launched_pids(door: Any) -> list[int]:
+    """Process ids of the ranks this process started with Lightning's launcher (none elsewhere)."""
+    return [proc.pid for proc in getattr(getattr(door, "launcher", None), "procs", None) or []]
 
 
 def on_hpu(door: Any) -> bool:

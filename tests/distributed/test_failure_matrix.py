@@ -176,8 +176,10 @@ def naming_patterns(victim: int) -> list[str]:
     return [
         rf"lightning_gaudi_fsdp: rank {victim} of 2 stopped without reporting an error",
         rf"lightning_gaudi_fsdp: rank {survivor} could not reach the rendezvous store",
-        rf"lightning_gaudi_fsdp: rank {survivor} of 2 \(node [^)]*\) waited {BOUND_S} s \(failure_timeout\) for the "
-        r"rendezvous",
+        rf"lightning_gaudi_fsdp: rank {survivor} of 2 \(node [^)]*\) was in the rendezvous at [\d.]+:\d+; waited "
+        rf"{BOUND_S} s \(failure_timeout\)",
+        r"lightning_gaudi_fsdp: rank 0 of 2 \(node [^)]*\) was in the rendezvous at [\d.]+:\d+; the rank it started "
+        r"\(pid \d+\) ended before joining",
         rf"lightning_gaudi_fsdp: rank {survivor} of 2 \(node [^)]*\) lost the rendezvous store",
         rf"lightning_gaudi_fsdp: the process that launched this rank \(pid \d+, global rank {victim}\) is gone",
         rf"\[rank: {victim}\] Child process with PID \d+ terminated with code -9",  # Lightning's launcher
