@@ -72,6 +72,12 @@ def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds
     with pytest.raises(ValueError, match=r"failure_timeout=-1 is not supported; expected a positive number of seconds"):
         GaudiFSDPStrategy(failure_timeout=-1)
     assert _liveness.DEFAULT_FAILURE_TIMEOUT_S == 60.0
+    from jsonargparse import ArgumentParser  # LightningCLI's parser: the bound is a YAML value like any other
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  failure_timeout: 20\n")
+    assert GaudiFSDPStrategy(**config.strategy.as_dict())._failure_timeout == 20.0
 
 
 _RENDEZVOUS_CHILD = """
