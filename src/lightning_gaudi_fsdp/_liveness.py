@@ -287,23 +287,33 @@ class Heartbeat:
                     asked_by = store.get(dump).decode()
                     store.delete_key(dump)
                     _dump_stacks(self.rank, asked_by)
-            except Exception as err:  # noqa: BLE001 - the store went away with its host
-                self._store_lost(err)
-                return
+            except Exception as err:  # noqa: BLE001 - the store went away with its host, or stalled
+                store = self._store_lost(err)
+                if store is None:
+                    return
 
-    def _store_lost(self, err: BaseException) -> None:
-        """The store's host is gone. The main thread usually finds out at its next collective and fails with its own
-        error; if it is still running ``bound_s`` later (blocked where no peer's death reaches it) and nobody stopped
-        the heartbeat (``teardown``, also on the way out of a failure), this rank leaves."""
-        if self._stop.wait(self.bound_s):
-            return
-        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-        _leave(
-            f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) lost the rendezvous store at "
-            f"{host}:{port} ({type(err).__name__}) {self.bound_s:g} s ago (failure_timeout) and is still running: "
-            "the store's host (global rank 0, or torchrun's agent on node 0) is gone, so the job cannot go on; this "
-            "rank leaves"
-        )
+    def _store_lost(self, err: BaseException) -> Any:
+        """The store stopped answering. Reconnect and go on beating if it comes back within ``bound_s`` (a stall);
+        stop quietly if the heartbeat is stopped meanwhile (``teardown``, also on the way out of a failure: the main
+        thread usually finds out at its next collective and fails with its own error); else its host is gone and
+        this rank, blocked where no peer's death reaches it, leaves."""
+        deadline = time.monotonic() + self.bound_s
+        while not self._stop.wait(self.interval_s):
+            try:
+                store = _connect(timeout_s=3 * self.interval_s)
+                store.add(_key("beat", self.rank, self._run), 1)
+                return store
+            except Exception:  # noqa: BLE001, S112 - still unreachable: the bound decides
+                if time.monotonic() < deadline:
+                    continue
+            host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+            _leave(
+                f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) lost the rendezvous store "
+                f"at {host}:{port} ({type(err).__name__}) {self.bound_s:g} s ago (failure_timeout) and is still "
+                "running: the store's host (global rank 0, or torchrun's agent on node 0) is gone, so the job cannot "
+                "go on; this rank leaves"
+            )
+        return None
 
     def stop(self) -> None:
         self._stop.set()
