@@ -70,14 +70,14 @@ def _where() -> str:
 
 @contextlib.contextmanager
 def bounded_rendezvous(
-    bound_s: float, who: Callable[[], tuple[int, int]], children: Callable[[], list[int]] | None = None
+    bound_s: float, who: Callable[[], tuple[int, int]], children: Callable[[], dict[int, int]] | None = None
 ) -> Iterator[None]:
     """Around the creation of the process group (and of what needs every rank right after it): if it has not
     finished within ``bound_s`` seconds, print who waited for what and leave with exit code 1. Without it a rank whose
     peer (or the store's host) died before or during the rendezvous waits out the whole process-group timeout (30
     minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires.
 
-    ``children()``: process ids of the ranks this process started (Lightning's launcher). One that is gone ends the
+    ``children()``: the ranks this process started (Lightning's launcher), global rank to pid. One that is gone ends the
     wait at once; and when they are all the other ranks and all still run, the rendezvous can still complete (they
     are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short."""
     done = threading.Event()
@@ -86,13 +86,10 @@ def bounded_rendezvous(
         deadline = time.monotonic() + bound_s
         while not done.wait(0.5):
             rank, world_size = who()
-            pids = children() if children is not None else []
-            dead = [pid for pid in pids if not _process_alive(pid)]
+            pids = children() if children is not None else {}
+            dead = [f"rank {r} (pid {pid})" for r, pid in sorted(pids.items()) if not _process_alive(pid)]
             if dead:
-                reason = (
-                    f"the rank{'s' if len(dead) > 1 else ''} it started (pid {', '.join(map(str, dead))}) ended "
-                    "before joining"
-                )
+                reason = f"{', '.join(dead)}, which it started, ended before joining"
             elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1):
                 continue
             else:

@@ -238,9 +238,12 @@ class GaudiPlatform:
                 strategy_registry.register(name, cls, description=description)
 
 
-def launched_pids(door: Any) -> list[int]:
-    """Process ids of the ranks this process started with Lightning's launcher (none elsewhere)."""
-    return [proc.pid for proc in getattr(getattr(door, "launcher", None), "procs", None) or []]
+def launched_pids(door: Any) -> dict[int, int]:
+    """The ranks this process started with Lightning's launcher, global rank to pid (none elsewhere). The launcher
+    starts local ranks 1, 2, ... of its node, in that order."""
+    procs = getattr(getattr(door, "launcher", None), "procs", None) or []
+    first = door.node_rank * door.num_processes + 1
+    return {first + i: proc.pid for i, proc in enumerate(procs)}
 
 
 def on_hpu(door: Any) -> bool:

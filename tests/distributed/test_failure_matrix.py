@@ -178,8 +178,8 @@ def naming_patterns(victim: int) -> list[str]:
         rf"lightning_gaudi_fsdp: rank {survivor} could not reach the rendezvous store",
         rf"lightning_gaudi_fsdp: rank {survivor} of 2 \(node [^)]*\) was in the rendezvous at [\d.]+:\d+; waited "
         rf"{BOUND_S} s \(failure_timeout\)",
-        r"lightning_gaudi_fsdp: rank 0 of 2 \(node [^)]*\) was in the rendezvous at [\d.]+:\d+; the rank it started "
-        r"\(pid \d+\) ended before joining",
+        r"lightning_gaudi_fsdp: rank 0 of 2 \(node [^)]*\) was in the rendezvous at [\d.]+:\d+; rank "
+        rf"{victim} \(pid \d+\), which it started, ended before joining",
         rf"lightning_gaudi_fsdp: rank {survivor} of 2 \(node [^)]*\) lost the rendezvous store",
         rf"lightning_gaudi_fsdp: the process that launched this rank \(pid \d+, global rank {victim}\) is gone",
         rf"\[rank: {victim}\] Child process with PID \d+ terminated with code -9",  # Lightning's launcher
