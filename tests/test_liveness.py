@@ -93,6 +93,12 @@ print("stayed", flush=True)
 with _liveness.bounded_rendezvous(1.0, lambda: (0, 2), lambda: {1: os.getpid()}):
     time.sleep(2)
 print("waited on", flush=True)
+# a rank Lightning's launcher started (its parent) waits on as well: the launcher does the watching
+_liveness._launcher_pid = os.getppid()
+with _liveness.bounded_rendezvous(1.0, lambda: (1, 2)):
+    time.sleep(2)
+_liveness._launcher_pid = 0
+print("followed", flush=True)
 # one of them ended: no need to wait for the bound
 with _liveness.bounded_rendezvous(60.0, lambda: (0, 2), lambda: {1: dead.pid}):
     time.sleep(60)
@@ -108,7 +114,7 @@ def test_a_rendezvous_is_bounded_and_a_launcher_leaves_at_once_when_a_rank_it_st
         [sys.executable, "-c", _RENDEZVOUS_CHILD], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 1
-    assert proc.stdout.splitlines() == ["stayed", "waited on"]
+    assert proc.stdout.splitlines() == ["stayed", "waited on", "followed"]
     assert re.search(
         r"lightning_gaudi_fsdp: rank 0 of 2 \(node .+, pid \d+\) was in the rendezvous at 10\.1\.2\.3:29500; "
         r"rank 1 \(pid \d+\), which it started, ended before joining",

@@ -79,7 +79,9 @@ def bounded_rendezvous(
 
     ``children()``: the ranks this process started (Lightning's launcher), global rank to pid. One that is gone ends the
     wait at once; and when they are all the other ranks and all still run, the rendezvous can still complete (they
-    are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short."""
+    are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short. A rank that
+    Lightning's launcher started (still its parent) waits on too: that launcher leaves as soon as any rank it started
+    ended, and the kernel then ends this rank with it (``PR_SET_PDEATHSIG``)."""
     done = threading.Event()
 
     def watch() -> None:
@@ -90,7 +92,7 @@ def bounded_rendezvous(
             dead = [f"rank {r} (pid {pid})" for r, pid in sorted(pids.items()) if not _process_alive(pid)]
             if dead:
                 reason = f"{', '.join(dead)}, which it started, ended before joining"
-            elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1):
+            elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1) or _follows_launcher():
                 continue
             else:
                 reason = (
@@ -110,6 +112,11 @@ def bounded_rendezvous(
     finally:
         done.set()
         thread.join()
+
+
+def _follows_launcher() -> bool:
+    """Whether Lightning's launcher started this process and is still its parent (it dies with it)."""
+    return _launcher_pid not in (None, 0, os.getpid()) and os.getppid() == _launcher_pid
 
 
 def mark_launcher() -> None:
