@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+
+import pytest
 
 from lightning_gaudi_fsdp import _liveness
 from lightning_gaudi_fsdp._liveness import Verdict, _process_alive
@@ -58,7 +61,7 @@ def test_a_rank_whose_launcher_is_gone_leaves_at_once_and_an_unrelated_live_pid_
 def test_an_exception_that_ends_the_script_is_reported_once_before_the_previous_hook_prints_it():
     """Fabric's door reports through sys.excepthook: the heartbeat's report runs first (its note is printed with the
     traceback), the hook that was there before still runs, and installing twice chains only once."""
-    # _liveness alone (standard library only at import), without the package's torch and Lightning imports
+    # _liveness loaded on its own in a fresh interpreter: the hook it installs is the only one
     code = f"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_liveness", {_liveness.__file__!r})
@@ -81,3 +84,105 @@ raise RuntimeError("boom")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "previous hook: boom | reported by rank 1"
+
+
+def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds(monkeypatch):
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy, _liveness
+
+    monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", raising=False)
+    assert GaudiFSDPStrategy()._failure_timeout == 60.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "25")
+    assert GaudiFSDPStrategy()._failure_timeout == 25.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT='soon' is not supported; expected a"):
+        GaudiFSDPStrategy()
+    with pytest.raises(ValueError, match=r"failure_timeout=-1 is not supported; expected a positive number of seconds"):
+        GaudiFSDPStrategy(failure_timeout=-1)
+    assert _liveness.DEFAULT_FAILURE_TIMEOUT_S == 60.0
+    from jsonargparse import ArgumentParser  # LightningCLI's parser: the bound is a YAML value like any other
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  failure_timeout: 20\n")
+    assert GaudiFSDPStrategy(**config.strategy.as_dict())._failure_timeout == 20.0
+
+
+_RENDEZVOUS_CHILD = """
+import os, subprocess, sys, time
+from lightning_gaudi_fsdp import _liveness
+dead = subprocess.Popen([sys.executable, "-c", "pass"])
+dead.wait()
+with _liveness.bounded_rendezvous(1.0, lambda: (0, 2)):
+    time.sleep(0.1)  # a rendezvous that finishes in time
+time.sleep(1.5)  # past the bound: nothing fires once it finished
+print("stayed", flush=True)
+# Lightning's launcher whose started ranks are all the others and all still run: slow, not lost; it waits on
+with _liveness.bounded_rendezvous(1.0, lambda: (0, 2), lambda: {1: os.getpid()}):
+    time.sleep(2)
+print("waited on", flush=True)
+# a rank Lightning's launcher started (its parent) waits on as well: the launcher does the watching
+_liveness._launcher_pid = os.getppid()
+with _liveness.bounded_rendezvous(1.0, lambda: (1, 2)):
+    time.sleep(2)
+_liveness._launcher_pid = 0
+print("followed", flush=True)
+# one of them ended: no need to wait for the bound
+with _liveness.bounded_rendezvous(60.0, lambda: (0, 2), lambda: {1: dead.pid}):
+    time.sleep(60)
+print("still here", flush=True)
+"""
+
+
+def test_a_rendezvous_is_bounded_and_a_launcher_leaves_at_once_when_a_rank_it_started_ended():
+    """The plain bound firing (a peer on another launcher) is in the default run of test_failure_matrix.py."""
+    env = {**os.environ, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RENDEZVOUS_CHILD], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == ["stayed", "waited on", "followed"]
+    assert re.search(
+        r"lightning_gaudi_fsdp: rank 0 of 2 \(node .+, pid \d+\) was in the rendezvous at 10\.1\.2\.3:29500; "
+        r"rank 1 \(pid \d+\), which it started, ended before joining",
+        proc.stderr,
+    ), proc.stderr
+    assert time.monotonic() - started < 50  # not the 60 s bound of the last wait
+
+
+_HEARTBEAT_CHILD = """
+import time
+from lightning_gaudi_fsdp import _liveness
+_liveness.Heartbeat(1, 2, "elsewhere", interval_s=0.2, bound_s=1.0).start()
+print("beating", flush=True)
+time.sleep(60)  # a main thread blocked where the loss of the store never reaches it
+"""
+
+
+def test_a_rank_that_lost_the_store_during_fit_leaves_after_the_bound():
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    env.pop("LIGHTNING_GAUDI_FSDP_HEARTBEAT", None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HEARTBEAT_CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "beating"
+        assert store.add("lightning_gaudi_fsdp/liveness/0/beat/1", 0) >= 1  # it reached the store
+        del store  # its host is gone
+        lost = time.monotonic()
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 1
+    assert time.monotonic() - lost < 30
+    assert re.search(
+        r"lightning_gaudi_fsdp: rank 1 of 2 \(node .+, pid \d+\) lost the rendezvous store at 127\.0\.0\.1:\d+ "
+        r"\(\w+\) 1 s ago \(failure_timeout\) and is still running",
+        stderr,
+    ), stderr

@@ -1,5 +1,9 @@
 """Which rank was lost: each rank's identity and heartbeat in the rendezvous store, read when a collective fails.
 
+Every wait for other ranks outside a collective is bounded by ``failure_timeout`` (seconds; the strategy argument,
+else ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60): the rendezvous (:func:`bounded_rendezvous`), and a rank whose
+heartbeat lost the store during ``fit`` (its host is gone) leaves after that long if nothing else ended it first.
+
 When one process dies (SIGKILL, the out-of-memory killer, a segfault in a kernel), the survivors' next collective
 fails with a transport message such as gloo's "Connection closed by peer [addr]:port", which names a socket, not a
 rank. Each rank therefore writes its node and process id to the rendezvous store and bumps a counter there every
@@ -13,24 +17,108 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp import _compat, options
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
 _LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that starts the other ranks
+_BOUND_ENV = "LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT"
+DEFAULT_FAILURE_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
 _REPORTED = "_lightning_gaudi_fsdp_reported"  # set on an exception once reported
 _launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
 _uncaught: Heartbeat | None = None  # the heartbeat whose rank reports exceptions that end the script
+
+
+def failure_timeout(value: float | None) -> float:
+    """The bound in seconds: ``value`` (the strategy's resolved ``failure_timeout``) when given, else
+    ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60. Read where the strategy is built, so a bad value in the
+    environment fails before any process starts. (This module reads its own variables: they are about launching and
+    liveness on any device, not about Gaudi's runtime, which ``gaudi.py`` owns.)"""
+    if value is not None:
+        return value
+    text = os.environ.get(_BOUND_ENV, "").strip()
+    if not text:
+        return DEFAULT_FAILURE_TIMEOUT_S
+    try:
+        number: Any = float(text)
+    except ValueError:
+        number = text
+    return options.resolve_failure_timeout(number, _BOUND_ENV) or DEFAULT_FAILURE_TIMEOUT_S
+
+
+def _leave(message: str) -> None:
+    """Print ``message`` and end this process at once with exit code 1 (from any thread: a main thread blocked in a
+    C++ wait would never see an exception raised here)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _where() -> str:
+    return f"node {socket.gethostname()}, pid {os.getpid()}"
+
+
+@contextlib.contextmanager
+def bounded_rendezvous(
+    bound_s: float, who: Callable[[], tuple[int, int]], children: Callable[[], dict[int, int]] | None = None
+) -> Iterator[None]:
+    """Around the creation of the process group (and of what needs every rank right after it): if it has not
+    finished within ``bound_s`` seconds, print who waited for what and leave with exit code 1. Without it a rank whose
+    peer (or the store's host) died before or during the rendezvous waits out the whole process-group timeout (30
+    minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires.
+
+    ``children()``: the ranks this process started (Lightning's launcher), global rank to pid. One that is gone ends the
+    wait at once; and when they are all the other ranks and all still run, the rendezvous can still complete (they
+    are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short. A rank that
+    Lightning's launcher started (still its parent) waits on too: that launcher leaves as soon as any rank it started
+    ended, and the kernel then ends this rank with it (``PR_SET_PDEATHSIG``)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + bound_s
+        while not done.wait(0.5):
+            rank, world_size = who()
+            pids = children() if children is not None else {}
+            dead = [f"rank {r} (pid {pid})" for r, pid in sorted(pids.items()) if not _process_alive(pid)]
+            if dead:
+                reason = f"{', '.join(dead)}, which it started, ended before joining"
+            elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1) or _follows_launcher():
+                continue
+            else:
+                reason = (
+                    f"waited {bound_s:g} s (failure_timeout) and not every rank joined: a rank, or the host of the "
+                    "rendezvous store (global rank 0, or torchrun's agent on node 0), is gone or never started"
+                )
+            host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+            _leave(
+                f"lightning_gaudi_fsdp: rank {rank} of {world_size} ({_where()}) was in the rendezvous at "
+                f"{host}:{port}; {reason}; this rank leaves instead of waiting out the process-group timeout"
+            )
+
+    thread = threading.Thread(target=watch, name="lgf-rendezvous-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _follows_launcher() -> bool:
+    """Whether Lightning's launcher started this process and is still its parent (it dies with it)."""
+    return _launcher_pid not in (None, 0, os.getpid()) and os.getppid() == _launcher_pid
 
 
 def mark_launcher() -> None:
@@ -65,12 +153,10 @@ def leave_with_launcher() -> None:
         return
     if _process_alive(launcher):
         return  # not our parent and still running: an outer launch whose variable leaked into this environment
-    sys.stderr.write(
+    _leave(
         f"lightning_gaudi_fsdp: the process that launched this rank (pid {launcher}, global rank 0) is gone; this "
-        "rank leaves instead of waiting for a rendezvous that cannot happen\n"
+        "rank leaves instead of waiting for a rendezvous that cannot happen"
     )
-    sys.stderr.flush()
-    os._exit(1)
 
 
 @dataclass
@@ -82,14 +168,25 @@ class Verdict:
     errors: list[tuple[int, str]] = field(default_factory=list)
     store_unreachable: str | None = None
     stuck: list[int] = field(default_factory=list)  # alive, no error of their own: asked to print their stacks
+    agent_store: bool = False  # torchrun's agent holds the store (not global rank 0)
 
     def message(self, rank: int, world_size: int) -> str | None:
         if self.store_unreachable is not None:
+            if self.agent_store:
+                where = (
+                    "under torchrun the store lives in the agent of node 0, which ends the job (and the store) as "
+                    "soon as one of its workers exits: a rank was lost or failed, and torchrun's failure summary "
+                    "names it"
+                )
+            else:
+                where = (
+                    "under Lightning's launcher and SLURM the store lives in global rank 0's process, so rank 0 was "
+                    "most likely lost: its own output shows an error if it raised one, nothing if it was killed, ran "
+                    "out of memory or crashed"
+                )
             return (
                 f"lightning_gaudi_fsdp: rank {rank} could not reach the rendezvous store ({self.store_unreachable}); "
-                "under Lightning's launcher the store lives in global rank 0's process, so rank 0 was most likely "
-                "lost: its own output shows an error if it raised one, nothing if it was killed, ran out of memory "
-                "or crashed"
+                + where
             )
         parts = []
         if self.lost:
@@ -154,11 +251,14 @@ def _connect(timeout_s: float) -> Any:
 class Heartbeat:
     """A daemon thread that bumps this rank's counter in the rendezvous store every ``interval_s`` seconds."""
 
-    def __init__(self, rank: int, world_size: int, node: str, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, node: str, interval_s: float = 1.0, bound_s: float | None = None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.node = node
         self.interval_s = interval_s
+        self.bound_s = DEFAULT_FAILURE_TIMEOUT_S if bound_s is None else bound_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._run = _run_id()
@@ -193,8 +293,33 @@ class Heartbeat:
                     asked_by = store.get(dump).decode()
                     store.delete_key(dump)
                     _dump_stacks(self.rank, asked_by)
-            except Exception:  # the store went away with its host; the main thread will find out on its own
-                return
+            except Exception as err:  # noqa: BLE001 - the store went away with its host, or stalled
+                store = self._store_lost(err)
+                if store is None:
+                    return
+
+    def _store_lost(self, err: BaseException) -> Any:
+        """The store stopped answering. Reconnect and go on beating if it comes back within ``bound_s`` (a stall);
+        stop quietly if the heartbeat is stopped meanwhile (``teardown``, also on the way out of a failure: the main
+        thread usually finds out at its next collective and fails with its own error); else its host is gone and
+        this rank, blocked where no peer's death reaches it, leaves."""
+        deadline = time.monotonic() + self.bound_s
+        while not self._stop.wait(self.interval_s):
+            try:
+                store = _connect(timeout_s=3 * self.interval_s)
+                store.add(_key("beat", self.rank, self._run), 1)
+                return store
+            except Exception:  # noqa: BLE001, S112 - still unreachable: the bound decides
+                if time.monotonic() < deadline:
+                    continue
+            host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+            _leave(
+                f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) lost the rendezvous store "
+                f"at {host}:{port} ({type(err).__name__}) {self.bound_s:g} s ago (failure_timeout) and is still "
+                "running: the store's host (global rank 0, or torchrun's agent on node 0) is gone, so the job cannot "
+                "go on; this rank leaves"
+            )
+        return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,7 +367,8 @@ class Heartbeat:
             if not peer_failure:
                 return None
             host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            return Verdict(store_unreachable=f"{host}:{port}: {type(err).__name__}")
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            return Verdict(store_unreachable=f"{host}:{port}: {type(err).__name__}", agent_store=agent)
         reported = {r for _, r, _, _ in errors}
         own_errors = [(r, text) for _, r, peer, text in sorted(errors) if not peer]
         stuck = sorted(set(range(self.world_size)) - gone - reported - {self.rank})

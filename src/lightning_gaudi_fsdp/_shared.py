@@ -54,6 +54,7 @@ class Resolved:
     keep_batch_dtypes: bool
     check_free_space: bool | None
     pretrained: pretrained.Weights | None
+    failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
 
 
 def resolve(
@@ -83,6 +84,7 @@ def resolve(
     check_free_space: Any = None,
     pretrained_weights: Any = None,
     pretrained_prefix: Any = "",
+    failure_timeout: Any = None,
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -160,6 +162,7 @@ def resolve(
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
         pretrained=weights,
+        failure_timeout=_liveness.failure_timeout(options.resolve_failure_timeout(failure_timeout)),
     )
 
 
@@ -198,6 +201,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._keep_batch_dtypes = resolved.keep_batch_dtypes
     door._check_free_space = resolved.check_free_space
     door._pretrained = resolved.pretrained
+    door._failure_timeout = resolved.failure_timeout
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -232,8 +236,14 @@ class GaudiPlatform:
 
     def setup_environment(self) -> None:
         before_process_group(self)
-        super().setup_environment()  # type: ignore[misc]
-        after_process_group(self)
+        # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
+        with _liveness.bounded_rendezvous(
+            self._failure_timeout,  # type: ignore[attr-defined]
+            lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
+            lambda: launched_pids(self),
+        ):
+            super().setup_environment()  # type: ignore[misc]
+            after_process_group(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -243,6 +253,14 @@ class GaudiPlatform:
         for name in ("gaudi_fsdp", "hpu_fsdp"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
+
+
+def launched_pids(door: Any) -> dict[int, int]:
+    """The ranks this process started with Lightning's launcher, global rank to pid (none elsewhere). The launcher
+    starts local ranks 1, 2, ... of its node, in that order."""
+    procs = getattr(getattr(door, "launcher", None), "procs", None) or []
+    first = door.node_rank * door.num_processes + 1
+    return {first + i: proc.pid for i, proc in enumerate(procs)}
 
 
 def on_hpu(door: Any) -> bool:
@@ -306,7 +324,7 @@ def after_process_group(door: Any) -> None:
         door.kwargs["device_mesh"] = door._device_mesh
     if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
-        door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node)
+        door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node, bound_s=door._failure_timeout)
         door._heartbeat.start()
 
 

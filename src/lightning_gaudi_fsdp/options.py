@@ -489,6 +489,20 @@ def resolve_timeout(value: timedelta | float | None) -> timedelta | None:
     )
 
 
+def resolve_failure_timeout(value: timedelta | float | None, argument: str = "failure_timeout") -> float | None:
+    """Seconds, or ``None`` (the caller then takes the environment, then the default)."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 86400:
+        return float(value)
+    raise ValueError(
+        f"{argument}={value!r} is not supported; expected a positive number of seconds (at most a day), a timedelta "
+        "or None"
+    )
+
+
 def resolve_callable(value: Any, argument: str) -> Any:
     if isinstance(value, str):
         value = import_object(value, argument)

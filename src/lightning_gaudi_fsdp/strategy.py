@@ -88,6 +88,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             its file system and refuse the save before anything is written when it is short. ``None`` (default)
             reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
             systems that report free space wrongly.
+        failure_timeout: seconds (default 60) any rank waits for others outside a collective before it leaves with
+            exit code 1 and a message naming itself and what it waited for: the rendezvous (a rank or the store's
+            host lost before or while the process group forms), and the rendezvous store lost during ``fit``.
+            ``None`` reads ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60. Raise it where ranks start far apart
+            (a large job whose nodes come up over minutes). ``timeout`` still bounds each collective.
         async_save: ``True`` makes saves during ``fit`` return once the state is copied into host buffers (kept
             from one save to the next); a background thread writes and commits it while training goes on, in any
             ``state_dict_type``. At most one save is in flight: the next one waits for it. An older checkpoint that
@@ -140,6 +145,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         check_free_space: bool | None = None,
         pretrained_weights: str | None = None,
         pretrained_prefix: str = "",
+        failure_timeout: float | None = None,
         async_save: bool = False,
     ) -> None:
         resolved = _shared.resolve_from(locals())

@@ -223,13 +223,29 @@ class Soak(Callback):
             )
 
 
-def arm_kill_on_save(rank: int, nth: int) -> None:
-    """On ``rank``, the ``nth`` checkpoint write writes half its bytes, then the process SIGKILLs itself."""
+def env_rank() -> int:
+    """This process's global rank as its launcher gave it (torchrun and the pool: ``RANK``; srun: ``SLURM_PROCID``;
+    Lightning's launcher: ``LOCAL_RANK`` on one node, none in the launching rank 0)."""
+    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def die(out: Path) -> None:
+    """SIGKILL this process, first writing when (``killed.json``: the monotonic clock, shared by every process of the
+    machine, from which a test measures how long the others took to leave)."""
     import signal
 
+    write_json(out, "killed.json", {"at": time.monotonic(), "pid": os.getpid(), "rank": env_rank()})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_kill_on_save(rank: int, nth: int, out: Path) -> None:
+    """On ``rank``, the ``nth`` checkpoint write writes half its bytes, then the process SIGKILLs itself."""
     import torch.distributed.checkpoint as dcp
 
-    if int(os.environ.get("LOCAL_RANK", "0")) != rank:
+    if env_rank() != rank:
         return
     calls = {"n": 0}
     real_save, real_dcp_save = torch.save, dcp.save
@@ -239,7 +255,7 @@ def arm_kill_on_save(rank: int, nth: int) -> None:
         if path.suffix or not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"\x80" * 1000)  # a real, partial write
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(out)
 
     def counting_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
         target = getattr(f, "name", f)  # checkpoint files are written through an open file
@@ -335,20 +351,88 @@ def lightning_stock_strategy(strategy_cfg: dict[str, Any]) -> Any:
     return StockFSDPStrategy(**kwargs)
 
 
-def kill_launcher_after_spawn() -> None:
+def kill_launcher_after_spawn(out: Path) -> None:
     """Rank 0 (Lightning's launcher) SIGKILLs itself right after starting the other ranks: they are still importing
     torch or entering the rendezvous, whose store would have lived in rank 0."""
-    import signal
-
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     real = _SubprocessScriptLauncher._call_children_scripts
 
     def spawn_then_die(self: Any) -> None:
         real(self)
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(out)
 
     _SubprocessScriptLauncher._call_children_scripts = spawn_then_die
+
+
+PHASES = ("start", "rendezvous", "setup", "training", "validation", "save", "teardown")
+
+
+class KillAt(Callback):
+    """``kill_at: {"phase", "rank"}``: global rank ``rank`` SIGKILLs itself in ``phase`` (one of ``PHASES``):
+    ``start`` (before the Trainer exists; in Lightning's launching rank 0, right after it started the others),
+    ``rendezvous`` (inside ``init_process_group``, one second in; the other ranks enter it only once the victim is
+    dead, so the victim dies waiting for them), ``setup`` (the ``setup`` hook: after the rendezvous, before the
+    model is built and wrapped), ``training`` (before step 2), ``validation`` (before the first validation batch;
+    the config must enable validation), ``save`` (midway through its first checkpoint write: ``save_at_step``,
+    ``sharded``) and ``teardown`` (as the strategy's ``teardown`` begins, after the last training step)."""
+
+    def __init__(self, phase: str, rank: int, out: Path) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"kill_at phase={phase!r}; expected one of {PHASES}")
+        self.phase, self.rank, self.out = phase, rank, out
+        victim = env_rank() == rank
+        if phase == "start" and victim:
+            launching = not any(name in os.environ for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"))
+            if launching:  # Lightning's launcher: die once the others exist
+                kill_launcher_after_spawn(out)
+            else:
+                die(out)
+        elif phase == "rendezvous":
+            self._arm_rendezvous(victim)
+        elif phase == "save":
+            arm_kill_on_save(rank, 1, out)
+        elif phase == "teardown" and victim:
+            real = GaudiFSDPStrategy.teardown
+
+            def teardown(strategy: Any) -> None:
+                die(out)
+                real(strategy)
+
+            GaudiFSDPStrategy.teardown = teardown  # type: ignore[method-assign]
+
+    def _arm_rendezvous(self, victim: bool) -> None:
+        import threading
+
+        import torch.distributed
+
+        real = torch.distributed.init_process_group
+        out = self.out
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            if victim:
+                threading.Timer(1.0, die, (out,)).start()
+            else:
+                deadline = time.monotonic() + 60
+                while not (out / "killed.json").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return real(*args, **kwargs)
+
+        torch.distributed.init_process_group = init_process_group
+
+    def _here(self, trainer: L.Trainer, phase: str) -> None:
+        if self.phase == phase and trainer.global_rank == self.rank:
+            die(self.out)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._here(trainer, "setup")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        if i == 2:
+            self._here(trainer, "training")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._here(trainer, "validation")
 
 
 def main() -> None:
@@ -356,9 +440,10 @@ def main() -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("kill_launcher_after_spawn"):
-        kill_launcher_after_spawn()
+        kill_launcher_after_spawn(out)
     if cfg.get("kill_on_save"):
-        arm_kill_on_save(**cfg["kill_on_save"])
+        arm_kill_on_save(**cfg["kill_on_save"], out=out)
+    kill_at = KillAt(**cfg["kill_at"], out=out) if cfg.get("kill_at") else None
     if cfg.get("slow_writes") or cfg.get("writes_after_a_later_step") or cfg.get("record_events"):
         arm_write_probes(
             out, cfg.get("slow_writes", 0), cfg.get("writes_after_a_later_step", 0), bool(cfg.get("record_events"))
@@ -379,6 +464,8 @@ def main() -> None:
             strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
         trainer_kwargs.update(devices=cfg.get("devices", 2), strategy=GaudiFSDPStrategy(**strategy_cfg))
     callbacks: list[Callback] = [Probe(out, cfg)]
+    if kill_at is not None:
+        callbacks.append(kill_at)
     if cfg.get("save_at_step"):
         callbacks.append(
             SaveAtStep(
