@@ -339,3 +339,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "hpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A tiny Llama for the Hugging Face tests: its config, and the model written with save_pretrained (split into several
+# safetensors files with an index at the default size).
+TINY_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def save_tiny_llama(where: Path, max_shard_size: str = "20KB", dtype: Any = None, **overrides: Any) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, **overrides}))
+    model.to(dtype or torch.float32).save_pretrained(where, max_shard_size=max_shard_size)
+    return where

@@ -21,27 +21,14 @@ from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy as FabricStrategy
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+from conftest import TINY_LLAMA as TINY  # noqa: E402
+from conftest import save_tiny_llama as save_llama  # noqa: E402
+
 ACCEPTED = (
     "expected a Hugging Face model directory (model.safetensors or model.safetensors.index.json), a .safetensors "
     "file or a checkpoint of this strategy (full file, sharded or local directory)"
 )
 DOORS = [GaudiFSDPStrategy, FabricStrategy]
-
-
-def save_llama(where: Path, dtype: torch.dtype = torch.float32, max_shard_size: str = "20KB", **overrides) -> Path:
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).to(dtype)
-    model.save_pretrained(where, max_shard_size=max_shard_size)
-    return where
 
 
 def on_meta(build):

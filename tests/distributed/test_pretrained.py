@@ -13,22 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
-
-def save_llama(where: Path, max_shard_size: str = "20KB", dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).to(dtype)
-    model.save_pretrained(where, max_shard_size=max_shard_size)
-    return where
+from conftest import save_tiny_llama as save_llama  # noqa: E402
 
 
 def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
