@@ -122,16 +122,17 @@ def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> 
         return fsdp2_state.model_state_dict(model, fmt)
     if fmt == "sharded" and fsdp1_state.supported(model):
         # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
-        return fsdp1_state.model_state_dict(model, _local_state(model, device_type, copy=False, flat=False))
+        return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
     if fmt == "local":
-        return _local_state(model, device_type, copy=True, flat=True)
+        return _local_state(model, device_type, flat=True)
     with state_dict_context(model, fmt, device_type):
         return model.state_dict()
 
 
-def _local_state(model: Module, device_type: str, *, copy: bool, flat: bool) -> dict[str, Any]:
+def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, Any]:
     """The local state dict: each rank's flat-parameter shard (with ``flat``) and every entry FSDP does not manage
-    (buffers, ignored parameters), on the CPU and copied with ``copy``."""
+    (buffers, ignored parameters). Tensors are moved to the CPU, not copied there: a synchronous save writes them
+    before training goes on, an asynchronous one stages them into its own buffers first."""
     with state_dict_context(model, "local", device_type):
         state = model.state_dict()
     managed = _managed_names(model)
@@ -140,9 +141,9 @@ def _local_state(model: Module, device_type: str, *, copy: bool, flat: bool) -> 
         if key.endswith(FLAT_PARAM):
             if flat:
                 shards = value.local_shards()
-                local[key] = shards[0].tensor.detach().to("cpu", copy=True) if shards else torch.empty(0)
+                local[key] = shards[0].tensor.detach().to("cpu") if shards else torch.empty(0)
         elif key not in managed:
-            local[key] = value.detach().to("cpu", copy=True) if copy else value
+            local[key] = value.detach().to("cpu")
     return local
 
 
