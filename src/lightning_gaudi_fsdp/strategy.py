@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _liveness, _report, _shared, options, precision
+from lightning_gaudi_fsdp import _liveness, _report, _shared, gaudi, options, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -412,6 +412,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         super().on_train_start()
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
+            self._background.use_host_buffers(gaudi.host_staging_allocator(self.root_device.type))
 
     def _finish_background_saves(self) -> None:
         if self._background is None:
