@@ -123,6 +123,9 @@ def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> 
     if fmt == "sharded" and fsdp1_state.supported(model):
         # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
         return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
+    if fmt == "full" and fsdp1_state.supports_full(model):
+        # Each parameter's pieces sent straight to rank 0, no all-gather on every rank.
+        return fsdp1_state.full_model_state_dict(model, _local_state(model, device_type, flat=False))
     if fmt == "local":
         return _local_state(model, device_type, flat=True)
     with state_dict_context(model, fmt, device_type):
@@ -159,6 +162,10 @@ def optimizer_state_dict(
         return optimizer.state_dict()
     if fmt == "sharded" and fsdp1_state.supported(model):
         state = fsdp1_state.optimizer_state_dict(model, optimizer)
+        if state is not None:
+            return state
+    if fmt == "full" and fsdp1_state.supports_full(model):
+        state = fsdp1_state.full_optimizer_state_dict(model, optimizer)
         if state is not None:
             return state
     with state_dict_context(model, fmt, device_type):

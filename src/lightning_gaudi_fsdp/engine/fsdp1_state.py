@@ -66,6 +66,7 @@ class _Param:
     fqn: str  # clean, full name, as state dicts spell it
     shape: tuple[int, ...]
     boxes: tuple[tuple[Box, ...], ...]  # per rank: the boxes of the parameter that rank holds, in flat order
+    spans: tuple[tuple[int, int], ...]  # per rank: the elements [start, end) of the flattened parameter it holds
     offset_in_shard: int  # this rank's first element of the parameter within its local flat shard
     numel_in_shard: int
 
@@ -80,7 +81,8 @@ class _Unit:
 
 def supported(model: Module) -> bool:
     """Whether every FSDP unit of ``model`` shards its flat parameter over the whole default group (FULL_SHARD or
-    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element."""
+    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element, and keeps its buffers
+    in their own dtype."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
@@ -93,6 +95,8 @@ def supported(model: Module) -> bool:
         if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
             return False
         if getattr(module, "_device_mesh", None) is not None or module.world_size != dist.get_world_size():
+            return False
+        if module._mixed_precision_enabled_for_buffers():  # torch casts buffers back to their dtype for a state dict
             return False
         handle = module._handle
         if handle is not None and any(len(s) == 0 or math.prod(s) == 0 for s in handle.flat_param._shapes):
@@ -123,14 +127,13 @@ def _units(model: Module) -> Iterator[_Unit]:
             end = start + numel
             if not is_padding:
                 fqn, shape, info = next(originals)
-                boxes = tuple(
-                    row_major_boxes(tuple(shape), max(a, start) - start, min(b, end) - start) for a, b in ranges
-                )
+                spans = tuple((max(a, start) - start, max(a, start, min(b, end)) - start) for a, b in ranges)
+                boxes = tuple(row_major_boxes(tuple(shape), lo, hi) for lo, hi in spans)
                 own_start = max(ranges[rank][0], start) - ranges[rank][0]
                 own_numel = max(0, min(ranges[rank][1], end) - max(ranges[rank][0], start))
                 if own_numel != (info.numel_in_shard or 0) or (own_numel and own_start != info.offset_in_shard):
                     raise RuntimeError(f"{fqn}: FSDP's shard of this parameter is not where the flat layout puts it")
-                params.append(_Param(_join(_clean(name), fqn), tuple(shape), boxes, own_start, own_numel))
+                params.append(_Param(_join(_clean(name), fqn), tuple(shape), boxes, spans, own_start, own_numel))
             start = end
         yield _Unit(flat, local.detach(), tuple(params), tuple(getattr(flat, "_params", None) or ()))
 
@@ -229,3 +232,134 @@ def _place(
         else:
             return None
     return placed
+
+
+# ------------------------------------------------------------------------------------------- full, gathered on rank 0
+def supports_full(model: Module) -> bool:
+    """Whether :func:`full_model_state_dict` applies: :func:`supported`, with the shards in host memory (the pieces
+    travel over the default group, which on an accelerator's backend does not carry host tensors)."""
+    return supported(model) and all(unit.local.device.type == "cpu" for unit in _units(model))
+
+
+def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
+    """The full model state dict on rank 0 (``{}`` elsewhere): every parameter's pieces are sent straight into a
+    tensor of its shape on rank 0, one message per piece, where torch all-gathers every flat parameter on every rank
+    and clones each parameter out of it. ``rest``: the entries FSDP does not shard."""
+    import torch.distributed as dist
+
+    pieces = [
+        (param, unit.local[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard])
+        for unit in _units(model)
+        for param in unit.params
+    ]
+    full = _gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces])
+    if dist.get_rank() != 0:
+        return {}
+    return _in_module_order(model, {**{param.fqn: t for (param, _), t in zip(pieces, full, strict=True)}, **rest})
+
+
+def _in_module_order(model: Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the order ``Module.state_dict`` lists entries (a module's own parameters, then its buffers, then
+    its children's), as torch's full state dict has them."""
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    position: dict[str, int] = {}
+    for name, _ in model.named_modules():
+        position.setdefault(_clean(name), len(position))
+    buffers = {_clean(name) for name, _ in model.named_buffers()}
+
+    def order(key: str) -> tuple[int, bool]:
+        owner = key.rpartition(".")[0]
+        return position.get(owner, len(position)), key in buffers
+
+    return {key: state[key] for key in sorted(state, key=order)}
+
+
+def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
+    """The full optimizer state on rank 0 in torch's standard form (keyed by the index of each parameter in
+    ``model.parameters()``), ``{}`` elsewhere, gathered as :func:`full_model_state_dict` gathers weights. ``None`` on
+    every rank (the caller then asks torch) unless every unit keeps its original parameters and the ranks holding
+    each parameter all hold its state, each tensor of it shaped like their piece."""
+    import torch.distributed as dist
+
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    units = list(_units(model))
+    ok = all(unit.orig_params for unit in units)
+    params = {
+        id(orig): (param, orig) for unit in units for param, orig in zip(unit.params, unit.orig_params, strict=False)
+    }
+    # What this rank holds of each parameter's state: tensors as ("piece", dtype name), anything else as its value.
+    specs: dict[str, dict[str, Any]] = {}
+    local: dict[tuple[str, str], torch.Tensor] = {}
+    for param, orig in params.values():
+        for key, value in optimizer.state.get(orig, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                ok = ok and value.dim() == 1 and value.numel() == param.numel_in_shard
+                specs.setdefault(param.fqn, {})[key] = ("piece", str(value.dtype).removeprefix("torch."))
+                local[(param.fqn, key)] = value.detach()
+            else:
+                specs.setdefault(param.fqn, {})[key] = value
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (ok, specs))
+    merged: dict[str, dict[str, Any]] = {}  # fqn -> key -> spec, the first rank's that has it
+    for _, rank_specs in everyone:
+        for fqn, keys in rank_specs.items():
+            for key, spec in keys.items():
+                merged.setdefault(fqn, {}).setdefault(key, spec)
+    pieces, targets = [], []
+    for param, _ in params.values():
+        for key, spec in merged.get(param.fqn, {}).items():
+            if not (isinstance(spec, tuple) and spec[:1] == ("piece",)):
+                continue
+            holders = [r for r, (_, rank_specs) in enumerate(everyone) if key in rank_specs.get(param.fqn, {})]
+            # every rank that holds elements of the parameter must hold this state: nothing is left unset
+            ok = ok and all(r in holders for r, (lo, hi) in enumerate(param.spans) if hi > lo)
+            pieces.append((param, local.get((param.fqn, key)), holders, getattr(torch, spec[1])))
+            targets.append((param.fqn, key))
+    if not (ok and all(rank_ok for rank_ok, _ in everyone)):
+        return None
+    full = _gather_pieces(pieces)
+    if dist.get_rank() != 0:
+        return {}
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    index = {_clean(name): ids[id(p)] for name, p in model.named_parameters()}
+    state = {index[fqn]: dict(keys) for fqn, keys in merged.items()}
+    for (fqn, key), tensor in zip(targets, full, strict=True):
+        state[index[fqn]][key] = tensor
+    for param in model.parameters():  # parameters FSDP does not manage keep their state as it is
+        if id(param) not in params and param in optimizer.state:
+            state[ids[id(param)]] = dict(optimizer.state[param])
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": sorted(ids[id(p)] for p in group["params"])}
+        for group in optimizer.param_groups
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _gather_pieces(pieces: list[tuple[_Param, torch.Tensor | None, Any, torch.dtype]]) -> list[Any]:
+    """For each ``(param, this rank's piece, ranks sending pieces, dtype)``, rank 0 receives every sender's piece
+    straight into one host tensor of the parameter's shape (its own piece is copied in) and returns those tensors;
+    other ranks get ``None`` for each. Every rank passes the same list in the same order, and message ``i`` carries
+    tag ``i``, so no two are confused; all are in flight at once."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    works, out, tag = [], [], 0
+    for param, piece, senders, dtype in pieces:
+        full = torch.empty(param.shape, dtype=dtype) if rank == 0 else None
+        for r in senders:
+            lo, hi = param.spans[r]
+            tag += 1
+            if hi <= lo:
+                continue
+            if rank == 0 and r == 0:
+                full.view(-1)[lo:hi].copy_(piece)
+            elif rank == 0:
+                works.append(dist.irecv(full.view(-1)[lo:hi], src=r, tag=tag))
+            elif r == rank:
+                works.append(dist.isend(piece.contiguous(), dst=0, tag=tag))
+        out.append(full)
+    for work in works:
+        work.wait()
+    return out
