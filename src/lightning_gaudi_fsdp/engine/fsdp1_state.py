@@ -81,8 +81,7 @@ class _Unit:
 
 def supported(model: Module) -> bool:
     """Whether every FSDP unit of ``model`` shards its flat parameter over the whole default group (FULL_SHARD or
-    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element, and keeps its buffers
-    in their own dtype."""
+    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
@@ -95,8 +94,6 @@ def supported(model: Module) -> bool:
         if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
             return False
         if getattr(module, "_device_mesh", None) is not None or module.world_size != dist.get_world_size():
-            return False
-        if module._mixed_precision_enabled_for_buffers():  # torch casts buffers back to their dtype for a state dict
             return False
         handle = module._handle
         if handle is not None and any(len(s) == 0 or math.prod(s) == 0 for s in handle.flat_param._shapes):
@@ -173,8 +170,20 @@ def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
         for param in unit.params:
             flat_slice = unit.local[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
             state[param.fqn] = _sharded_tensor(param, flat_slice)
-    state.update(rest)
+    state.update(_buffers_in_their_dtype(model, rest))
     return state
+
+
+def _buffers_in_their_dtype(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
+    """``rest`` with each buffer in the dtype it had before FSDP's mixed precision cast it (``buffer_dtype``), as
+    torch's state dicts hold them."""
+    dtypes = getattr(model, "_buffer_name_to_orig_dtype", None) or {}
+    return {
+        key: value.to(dtypes[key])
+        if isinstance(value, torch.Tensor) and dtypes.get(key, value.dtype) != value.dtype
+        else value
+        for key, value in rest.items()
+    }
 
 
 def optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
@@ -255,7 +264,8 @@ def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]
     full = _gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces])
     if dist.get_rank() != 0:
         return {}
-    return _in_module_order(model, {**{param.fqn: t for (param, _), t in zip(pieces, full, strict=True)}, **rest})
+    gathered = {param.fqn: tensor for (param, _), tensor in zip(pieces, full, strict=True)}
+    return _in_module_order(model, {**gathered, **_buffers_in_their_dtype(model, rest)})
 
 
 def _in_module_order(model: Module, state: dict[str, Any]) -> dict[str, Any]:
