@@ -83,13 +83,19 @@ def supported(model: Module) -> bool:
     """Whether every FSDP unit of ``model`` shards its flat parameter over the whole default group (FULL_SHARD or
     SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
+    # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
+    covered = {id(p) for p in getattr(model, "_ignored_params", ())}
+    for unit in _units(model):
+        covered.add(id(unit.flat_param))
+        covered.update(id(p) for p in unit.orig_params)
+    if any(id(p) not in covered for p in model.parameters()):
+        return False
     for module in model.modules():
-        if not isinstance(module, FSDP):
+        if not isinstance(module, _fsdp_class()):
             continue
         if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
             return False
@@ -101,13 +107,19 @@ def supported(model: Module) -> bool:
     return True
 
 
-def _units(model: Module) -> Iterator[_Unit]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _fsdp_class() -> type:
+    # From its own module: a subclass put in place of the package's name (as tests of Lightning's stock strategy do)
+    # does not hide the units that FSDP's auto-wrapping builds from the original class.
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
+    return FullyShardedDataParallel
+
+
+def _units(model: Module) -> Iterator[_Unit]:
     from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
 
     for name, module in model.named_modules():
-        if not isinstance(module, FSDP) or module._handle is None:
+        if not isinstance(module, _fsdp_class()) or module._handle is None:
             continue
         flat = module._handle.flat_param
         world_size, rank = module.world_size, module.rank
@@ -170,7 +182,7 @@ def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
         for param in unit.params:
             flat_slice = unit.local[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
             state[param.fqn] = _sharded_tensor(param, flat_slice)
-    state.update(_buffers_in_their_dtype(model, rest))
+    state.update(_buffers_in_their_dtype(model, {k: v for k, v in rest.items() if k not in state}))
     return state
 
 
@@ -265,7 +277,8 @@ def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]
     if dist.get_rank() != 0:
         return {}
     gathered = {param.fqn: tensor for (param, _), tensor in zip(pieces, full, strict=True)}
-    return _in_module_order(model, {**gathered, **_buffers_in_their_dtype(model, rest)})
+    rest = _buffers_in_their_dtype(model, {k: v for k, v in rest.items() if k not in gathered})
+    return _in_module_order(model, {**gathered, **rest})
 
 
 def _in_module_order(model: Module, state: dict[str, Any]) -> dict[str, Any]:
