@@ -87,13 +87,6 @@ def supported(model: Module) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
-    covered = {id(p) for p in getattr(model, "_ignored_params", ())}
-    for unit in _units(model):
-        covered.add(id(unit.flat_param))
-        covered.update(id(p) for p in unit.orig_params)
-    if any(id(p) not in covered for p in model.parameters()):
-        return False
     for module in model.modules():
         if not isinstance(module, _fsdp_class()):
             continue
@@ -104,7 +97,12 @@ def supported(model: Module) -> bool:
         handle = module._handle
         if handle is not None and any(len(s) == 0 or math.prod(s) == 0 for s in handle.flat_param._shapes):
             return False
-    return True
+    # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
+    covered = {id(p) for p in getattr(model, "_ignored_params", ())}
+    for unit in _units(model):
+        covered.add(id(unit.flat_param))
+        covered.update(id(p) for p in unit.orig_params)
+    return all(id(p) in covered for p in model.parameters())
 
 
 def _fsdp_class() -> type:
