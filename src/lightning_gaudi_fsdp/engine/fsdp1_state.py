@@ -1,20 +1,24 @@
-"""FSDP1 sharded state dicts built from each rank's own flat-parameter slices, with no collective.
+"""FSDP1 sharded and full state dicts built from each rank's own flat-parameter slices.
 
 torch's ``SHARDED_STATE_DICT`` for ``FullyShardedDataParallel`` all-gathers every flat parameter, and its sharded
 optimizer state dict all-gathers every original parameter's state, only to cut each tensor again into dim-0 chunks
 (with ``use_orig_params=True`` this dominated a sharded save). A rank already holds a contiguous range of each flat
 parameter, and the same range of its optimizer state: in each original parameter that range is a run of elements in
 row-major order, which is a union of at most ``2 * ndim - 1`` rectangular boxes. Here those boxes, views of the live
-tensors, become the local shards of a ``ShardedTensor`` of the parameter's full shape, under the keys torch uses.
+tensors, become the local shards of a ``ShardedTensor`` of the parameter's full shape, under the keys torch uses, with
+no collective.
 
 DCP stores each chunk's offsets and sizes and, on load, reads whatever overlaps the target's chunks: the checkpoint
 loads as torch's own does (Lightning's ``FSDPStrategy``, any world size, either engine). Only the chunk boundaries
 in the files differ. Every rank computes every rank's boxes from the flat-parameter layout, so no metadata is
 exchanged; its own boxes are checked against FSDP's record of its shard.
 
-:func:`supported` says when this applies (a sharded strategy over the default group, no device mesh); callers use
-torch's path otherwise. Nothing is copied: a synchronous save writes the live tensors, an asynchronous one stages
-them first.
+Full state dicts: each rank sends its piece of each parameter (and of its optimizer state) straight into a tensor of
+full shape on rank 0, where torch all-gathers every flat parameter on every rank and clones each parameter out.
+
+:func:`supported` / :func:`supports_full` say when this applies (a sharded strategy over the default group, no device
+mesh; for full, shards in host memory); callers use torch's path otherwise. Sharded state dicts copy nothing: a
+synchronous save writes the live tensors, an asynchronous one stages them first.
 """
 
 from __future__ import annotations
