@@ -88,6 +88,17 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
         for key in c[engines[0]]["reshard_load_s"]:
             values = per_engine(lambda r, k=key: r["reshard_load_s"][k])
             rows.append(_row(f"sharded checkpoint loaded at world size {key}", values, None, "s"))
+    if "pretrained" in results:
+        p = results["pretrained"]
+        engines = [e for e in ENGINES if e in p]
+        for contender, label, target in (
+            ("strategy", "with pretrained_weights", ("<=", p["target"])),
+            ("from_pretrained", "from_pretrained on every rank", None),
+        ):
+            values = {e: p[e][contender]["peak_vs_model"] for e in engines}
+            rows.append(_row(f"pretrained load, peak anonymous memory per rank / model, {label}", values, target))
+            values = {e: p[e][contender]["resident_vs_model"] for e in engines}
+            rows.append(_row(f"pretrained load, peak resident memory per rank / model, {label}", values, None))
     return rows
 
 
@@ -147,6 +158,24 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"{'torch.save':12} {base['save_s']:9.2f} {base['load_s']:9.2f} {base['bytes'] / 2**20:9.1f}")
             disk = r["disk"]
             print(f"{'disk (fsync)':12} {disk['save_s']:9.2f} {'':>9} {disk['bytes'] / 2**20:9.1f} {1.0:9.2f}")
+    if "pretrained" in results:
+        p = results["pretrained"]
+        print(
+            f"\n== pretrained weights in ({p['model_bytes'] / 2**20:.1f} MiB fp32 model from a bf16 file, "
+            f"{p['world_size']} ranks; peak host memory a rank adds while building and loading)"
+        )
+        print(
+            f"{'engine / contender':26} {'shard MiB':>10} {'anon MiB':>10} {'anon/model':>11} {'resident MiB':>13} "
+            f"{'res./model':>11} {'s':>7}"
+        )
+        for engine in (e for e in ENGINES if e in p):
+            for contender in ("strategy", "from_pretrained"):
+                row = p[engine][contender]
+                print(
+                    f"{engine.upper() + ' ' + contender:26} {row['shard_bytes'] / 2**20:10.1f} "
+                    f"{row['peak_added'] / 2**20:10.1f} {row['peak_vs_model']:11.2f} "
+                    f"{row['peak_resident_added'] / 2**20:13.1f} {row['resident_vs_model']:11.2f} {row['load_s']:7.2f}"
+                )
     rows = summary(results)
     if rows:
         width = max(len(row["measurement"]) for row in rows)

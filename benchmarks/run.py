@@ -17,6 +17,13 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    ``async_save=True`` in the same round: the time the save blocks the caller (state dicts built and staged into
    host buffers reused from round to round) over the synchronous save's time, target <= 0.1 for sharded and local,
    and the host memory the staging buffers hold.
+4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved in bf16
+   with ``save_pretrained`` in several files) is built in fp32 and its weights put into the shards, with
+   ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
+   (``from_pretrained`` on every rank, then sharding), against the model's fp32 bytes: anonymous memory (what the
+   rank allocates) and resident memory with the file pages it maps. Target: anonymous memory with
+   ``pretrained_weights`` <= 0.75 of one model per rank at 2 ranks (its shard is 0.5). ``--smoke`` measures FSDP1
+   only, and only when asked for (``--smoke --only pretrained``).
 
 Writes ``benchmarks/results/latest.json`` (with a ``summary`` of every ratio against its target) and
 ``benchmarks/results/latest.png``. Runs on CPU with gloo (each measurement in its own processes); the numbers are
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,6 +54,11 @@ ENGINES = ("fsdp1", "fsdp2")
 SHARDINGS = {"fsdp1": ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"), "fsdp2": ("SHARD_GRAD_OP", "FULL_SHARD")}
 WORLD_SIZES = (1, 2, 4)
 TARGETS = {"step_ratio": 1.05, "memory_ratio": 1.05}
+PRETRAINED_TARGET = 0.75  # peak added per rank / model bytes, 2 ranks
+PRETRAINED_SIZES = {  # vocab, hidden, layers, intermediate, heads: ~0.1 M and ~70 M parameters
+    "smoke": (256, 64, 2, 128, 4),
+    "full": (8192, 768, 8, 2048, 12),
+}
 CHECKPOINT_TARGETS = {
     "full_save_vs_torch_save": 1.5,
     "throughput_vs_disk": 0.5,
@@ -54,7 +67,9 @@ CHECKPOINT_TARGETS = {
 }
 
 
-def _worker(mode: str, cfg: dict[str, Any], tmp: Path, timeout: float = 1800) -> dict[str, Any]:
+def _worker(
+    mode: str, cfg: dict[str, Any], tmp: Path, timeout: float = 1800, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     cfg = dict(cfg, result=str(tmp / f"{mode}-{time.monotonic_ns()}.json"))
     cfg_file = tmp / "cfg.json"
     cfg_file.write_text(json.dumps(cfg))
@@ -64,6 +79,7 @@ def _worker(mode: str, cfg: dict[str, Any], tmp: Path, timeout: float = 1800) ->
         text=True,
         timeout=timeout,
         cwd=tmp,
+        env=None if env is None else {**os.environ, **env},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker {mode} failed:\n{proc.stderr[-4000:]}")
@@ -219,19 +235,72 @@ def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return results
 
 
+def _save_llama(size: str, where: Path) -> int:
+    """A randomly initialised Llama saved in bf16 (as most published checkpoints are) with ``save_pretrained`` in
+    several files; returns the bytes of its fp32 parameters (what the benchmark loads it into)."""
+    import torch
+    import transformers
+
+    vocab, hidden, layers, intermediate, heads = PRETRAINED_SIZES[size]
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(where, max_shard_size="50MB" if size == "full" else "200KB")
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def bench_pretrained(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    size = "smoke" if args.smoke else "full"
+    weights = tmp / "llama-hf"
+    model_bytes = _save_llama(size, weights)
+    engines = ENGINES[:1] if args.smoke else ENGINES
+    out: dict[str, Any] = {"model_bytes": model_bytes, "world_size": args.world_size, "target": PRETRAINED_TARGET}
+    for engine in engines:
+        out[engine] = {}
+        for contender in ("strategy", "from_pretrained"):
+            cfg = {"engine": engine, "contender": contender, "weights": str(weights), "world_size": args.world_size}
+            # freed large blocks go back to the OS: the peak counts live memory, not glibc's cache
+            ranks = _worker("pretrained_load", cfg, tmp, env={"MALLOC_MMAP_THRESHOLD_": "65536"})["ranks"]
+            peak = max(r["peak_added"] for r in ranks)
+            resident = max(r["peak_resident_added"] for r in ranks)
+            out[engine][contender] = {
+                "ranks": ranks,
+                "peak_added": peak,
+                "peak_vs_model": peak / model_bytes,
+                "peak_resident_added": resident,
+                "resident_vs_model": resident / model_bytes,
+                "shard_bytes": max(r["shard_bytes"] for r in ranks),
+                "load_s": max(r["load_s"] for r in ranks),
+            }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; seconds, for CI")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the overhead contenders")
     parser.add_argument("--steps", type=int, default=12, help="steps per overhead run (the first 2 are warm-up)")
-    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint"], action="append")
+    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint", "pretrained"], action="append")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps = min(args.rounds, 1), min(args.steps, 4)
-    wanted = args.only or ["overhead", "memory", "checkpoint"]
-    benches = {"overhead": bench_overhead, "memory": bench_memory, "checkpoint": bench_checkpoint}
+    # --smoke leaves the pretrained section out unless asked for (--only pretrained): its workers import transformers
+    wanted = args.only or ["overhead", "memory", "checkpoint", *([] if args.smoke else ["pretrained"])]
+    benches = {
+        "overhead": bench_overhead,
+        "memory": bench_memory,
+        "checkpoint": bench_checkpoint,
+        "pretrained": bench_pretrained,
+    }
     results: dict[str, Any] = {"schema": SCHEMA}
     with tempfile.TemporaryDirectory() as tmp:
         for name in wanted:

@@ -8,7 +8,9 @@ the steps, saves and loads run after setup, in the same processes either way.
 ``cfg["engine"]`` (``"fsdp1"`` or ``"fsdp2"``) picks ``GaudiFSDPStrategy(fsdp_version=...)`` and the hand-written
 loop to compare it with. Modes: ``lightning_steps`` / ``raw_steps`` (step time of Trainer + GaudiFSDPStrategy vs a
 hand-written loop), ``memory`` (bytes each rank holds), ``checkpoint`` (save/load of each format against torch.save
-and the disk), ``load_sharded`` (loading sharded checkpoints written at another world size).
+and the disk), ``load_sharded`` (loading sharded checkpoints written at another world size), ``pretrained_load``
+(peak host memory per rank while a Hugging Face Llama's weights go into the shards, with ``pretrained_weights`` or
+with ``from_pretrained`` on every rank).
 """
 
 from __future__ import annotations
@@ -300,12 +302,87 @@ def load_sharded(rank: int, cfg: dict[str, Any]) -> None:
     _leave()
 
 
+class _Peaks:
+    """Peaks of anonymous memory (``RssAnon``: what the process allocates) and of resident memory including mapped
+    file pages (``RssAnon + RssFile``; file pages are the page cache, shared by every rank reading the same file),
+    sampled every 2 ms while active, above what the process held before."""
+
+    def __enter__(self) -> _Peaks:
+        import threading
+
+        self._base = self._now()
+        self.anon = self.resident = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _now() -> tuple[int, int]:
+        anon = _status_bytes("RssAnon")
+        return anon, anon + _status_bytes("RssFile")
+
+    def _sample(self) -> None:
+        anon, resident = self._now()
+        self.anon = max(self.anon, anon - self._base[0])
+        self.resident = max(self.resident, resident - self._base[1])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
+    """Fabric door: ``contender="strategy"`` builds the Llama under ``init_module()`` with ``pretrained_weights``
+    (meta parameters, each rank reads its slices); ``"from_pretrained"`` has every rank load the whole model with
+    ``transformers`` and then shard it (no help from the strategy)."""
+    import lightning as L
+    import transformers
+
+    from lightning_gaudi_fsdp import _report
+    from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
+
+    layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    args: dict[str, Any] = {"auto_wrap_policy": [layer], "fsdp_version": FSDP_VERSION[cfg["engine"]]}
+    if cfg["contender"] == "strategy":
+        args["pretrained_weights"] = cfg["weights"]
+    fabric = L.Fabric(accelerator="cpu", devices=cfg["world_size"], strategy=GaudiFSDPStrategy(**args))
+    fabric.launch()
+    started = time.perf_counter()
+    with _Peaks() as peak:
+        if cfg["contender"] == "strategy":
+            with fabric.init_module():
+                model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(cfg["weights"]))
+        else:
+            model = transformers.LlamaForCausalLM.from_pretrained(cfg["weights"], dtype=torch.float32)
+        model = fabric.setup_module(model)
+    seconds = time.perf_counter() - started
+    row = {
+        "peak_added": peak.anon,
+        "peak_resident_added": peak.resident,
+        "shard_bytes": _report.held_elements(model._forward_module) * 4,
+        "load_s": seconds,
+    }
+    rows: list[Any] = [None] * cfg["world_size"]
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        _write(cfg, {"ranks": rows})
+    _leave()
+
+
 MODES = {
     "raw_steps": raw.steps,
     "memory": raw.memory,
     "lightning_steps": lightning_steps,
     "checkpoint": checkpoint,
     "load_sharded": load_sharded,
+    "pretrained_load": pretrained_load,
 }
 
 
@@ -325,10 +402,12 @@ def _rank(rank: int, mode: str, cfg: dict[str, Any], port: int) -> None:
 def launch(mode: str, cfg: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
-    if mode in ("lightning_steps", "checkpoint", "load_sharded"):
+    if mode in ("lightning_steps", "checkpoint", "load_sharded", "pretrained_load"):
         import lightning.pytorch  # noqa: F401  (imported once, before forking)
 
         import lightning_gaudi_fsdp  # noqa: F401
+    if mode == "pretrained_load":
+        import transformers.models.llama.modeling_llama  # noqa: F401
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,7 +8,8 @@ checkpoints and resume.
 The model is ``transformers``' ``LlamaForCausalLM`` built from a config (no weights are downloaded); the data is
 the generated stride sequences of ``llama_fsdp.py``. Each ``--save-every`` steps every rank writes its shard of a
 sharded checkpoint (``checkpoints/step-NNNNN``); ``--resume`` restores model, optimizer, learning-rate scheduler
-and step from the newest one, in place.
+and step from the newest one, in place. ``--async-save`` writes each checkpoint in the background while training goes
+on; ``fabric.strategy.teardown()`` at the end waits for the last one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
     parser.add_argument("--resume", action="store_true", help="load the newest checkpoint in --checkpoints first")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     return parser.parse_args()
 
 
@@ -64,6 +66,7 @@ def main() -> None:
         auto_wrap_policy={LlamaDecoderLayer},  # one FSDP unit per decoder layer
         state_dict_type="sharded",
         fsdp_version=args.fsdp_version,
+        async_save=args.async_save,
     )
     fabric = L.Fabric(
         accelerator="hpu" if on_gaudi else "cpu",
@@ -112,6 +115,7 @@ def main() -> None:
             if state["step"] >= args.steps:
                 break
         epoch += 1
+    fabric.strategy.teardown()  # waits for a checkpoint still being written in the background (--async-save)
     if losses:
         fabric.print(f"loss: first={losses[0]:.4f} last={losses[-1]:.4f} steps={state['step']}")
 

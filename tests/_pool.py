@@ -5,10 +5,10 @@ Every rank is still its own process with its own real process group; only the ~5
 process is paid once per test session. The pytest side (``conftest.py``) talks to it over stdin/stdout, one JSON
 line per message:
 
-- request: ``{"name", "script", "args", "cwd", "nprocs", "distributed", "env", "logs"}``
+- request: ``{"name", "script", "args", "cwd", "nprocs", "distributed", "env", "logs"}``, optionally ``"grace_s"``
 - reply 1: ``{"pgid": ...}`` as soon as the ranks are started (the pytest side kills that group on a timeout)
-- reply 2: ``{"codes": [...]}`` once every rank has exited. When one rank fails, the others get ``GRACE_S`` seconds to
-  report their own errors, then are killed, as torchrun stops a job whose worker failed.
+- reply 2: ``{"codes": [...]}`` once every rank has exited. When one rank fails, the others get ``grace_s`` seconds
+  (``GRACE_S`` by default) to report their own errors, then are killed, as torchrun stops a job whose worker failed.
 
 The server itself never touches a tensor or a process group, so forking it is safe.
 """
@@ -22,7 +22,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 GRACE_S = float(os.environ.get("SCENARIO_POOL_GRACE_S", "30"))
@@ -78,7 +77,7 @@ def _rank_main(request: dict[str, Any], rank: int) -> int:
         print(code, file=sys.stderr)
         return 1
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter does: a hook (Fabric's failure report) runs first
         return 1
     return 0
 
@@ -107,7 +106,7 @@ def _start(request: dict[str, Any]) -> list[int]:
     return pids
 
 
-def _wait(pids: list[int], pgid: int) -> list[int]:
+def _wait(pids: list[int], pgid: int, grace_s: float) -> list[int]:
     codes: dict[int, int] = {}
     failed_at: float | None = None
     while len(codes) < len(pids):
@@ -119,7 +118,7 @@ def _wait(pids: list[int], pgid: int) -> list[int]:
                 codes[pid] = os.waitstatus_to_exitcode(status)
                 if codes[pid] != 0 and failed_at is None:
                     failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S and len(codes) < len(pids):
+        if failed_at is not None and time.monotonic() - failed_at > grace_s and len(codes) < len(pids):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             failed_at = float("inf")  # killed once; now only reap
@@ -141,7 +140,7 @@ def main() -> None:
         request = json.loads(line)
         pids = _start(request)
         _reply({"pgid": pids[0], "pids": pids})
-        _reply({"codes": _wait(pids, pids[0])})
+        _reply({"codes": _wait(pids, pids[0], float(request.get("grace_s", GRACE_S)))})
 
 
 if __name__ == "__main__":

@@ -135,11 +135,9 @@ def run_script(
 
 
 class ScenarioPool:
-    """The pytest side of ``_pool.py``: one server per test session (restarted if it dies), one scenario at a time.
-    ``env``: variables added to the server's environment (``SCENARIO_POOL_GRACE_S``), not to the ranks'."""
+    """The pytest side of ``_pool.py``: one server per test session (restarted if it dies), one scenario at a time."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.env = env or {}
+    def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
 
     def _read(self, timeout: float) -> dict[str, Any] | None:
@@ -164,7 +162,7 @@ class ScenarioPool:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).parent / "_pool.py")],
                 cwd=SCENARIOS,
-                env={**_env(), **self.env},
+                env=_env(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -185,8 +183,16 @@ class ScenarioPool:
             self.proc = None
 
     def run(
-        self, script: Path, args: list[str], nprocs: int, distributed: bool, logs: Path, timeout: float
+        self,
+        script: Path,
+        args: list[str],
+        nprocs: int,
+        distributed: bool,
+        logs: Path,
+        timeout: float,
+        grace_s: float | None = None,
     ) -> subprocess.CompletedProcess[str]:
+        """``grace_s``: how long the other ranks may run once one failed (the server's ``GRACE_S`` by default)."""
         name = os.environ.get("PYTEST_CURRENT_TEST", script.name).removesuffix(" (call)")
         self._ensure()
         assert self.proc is not None
@@ -200,6 +206,7 @@ class ScenarioPool:
             "port": _free_port(),
             "env": _env(),
             "logs": str(logs),
+            **({"grace_s": grace_s} if grace_s is not None else {}),
         }
         started: dict[str, Any] | None = None
         try:

@@ -64,3 +64,20 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for text in ("ratio", "vs disk", "async blocked s", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
         assert text in proc.stdout
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_smoke_run(tmp_path):
+    """The pretrained-weights section (kept out of the default smoke run: its workers import transformers)."""
+    from conftest import run_command
+
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--only", "pretrained"]
+    proc = run_command([*command, "--out", str(tmp_path)], cwd=tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    section = json.loads((tmp_path / "latest.json").read_text())["pretrained"]
+    for contender in ("strategy", "from_pretrained"):
+        row = section["fsdp1"][contender]
+        assert row["shard_bytes"] == pytest.approx(section["model_bytes"] / 2, rel=0.1)  # each rank: its half
+        assert row["peak_added"] > 0
+    assert "pretrained weights in" in proc.stdout

@@ -98,3 +98,23 @@ def test_dcp_save_without_a_process_group_round_trips(tmp_path):
     loaded = torch.load(tmp_path / "full.pt", weights_only=True)
     torch.testing.assert_close(loaded, state, rtol=0, atol=0)
     assert loaded["model"]["layer.bias"].dtype == torch.bfloat16
+
+
+def test_add_note_on_python_without_add_note_keeps_the_note_in_the_message():
+    """Python 3.10 (which the package supports) has no ``BaseException.add_note``: the note still reaches the user."""
+    from lightning_gaudi_fsdp import _compat
+
+    class Py310Error(RuntimeError):
+        def __getattribute__(self, name: str):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    error = Py310Error("collective timed out")
+    _compat.add_note(error, "rank 1 failed first with: boom")
+    assert str(error) == "collective timed out\nrank 1 failed first with: boom"
+    assert error.__notes__ == ["rank 1 failed first with: boom"]
+    native = RuntimeError("collective timed out")
+    _compat.add_note(native, "rank 1 failed first with: boom")
+    assert str(native) == "collective timed out"  # 3.11+: printed under the traceback instead
+    assert native.__notes__ == ["rank 1 failed first with: boom"]

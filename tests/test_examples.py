@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,11 +32,61 @@ def test_toy_example_trains_on_two_cpu_processes(tmp_path):
     assert "rank 1: All done" in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def llama_example():
+    """The LLaMA example imported into this process, for the checks that end before anything is launched (printing
+    and instantiating a config): they need no processes, so they cost an import, not a launch."""
+    spec = importlib.util.spec_from_file_location("llama_fsdp_example", LLAMA)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _print_config(example, config: Path, capsys) -> str:
+    with pytest.raises(SystemExit) as exited, _argv():  # jsonargparse prints the config and exits during parsing
+        example.main(["fit", "--config", str(config), "--print_config"])
+    assert exited.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def _instantiate(example, config: Path) -> object:
+    """What ``fit --config`` builds, without running it (``run=False``: no launch, no process group)."""
+    with _argv():
+        return example.GaudiCLI(
+            example.LlamaLM,
+            example.StrideDataModule,
+            args=["--config", str(config)],
+            run=False,
+            save_config_callback=None,
+        )
+
+
+@contextlib.contextmanager
+def _argv() -> Iterator[None]:
+    """The example's own command line while it parses ``args`` (LightningCLI warns when pytest's is there too)."""
+    saved = sys.argv
+    sys.argv = [str(LLAMA)]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 @pytest.mark.versions
-def test_llama_rehearsal_loss_falls(tmp_path):
-    proc = _run([str(LLAMA), "fit", "--config", str(REHEARSAL), "--trainer.max_steps", "40"], tmp_path)
+def test_llama_rehearsal_trains_from_its_printed_config_and_loss_falls(tmp_path, llama_example, capsys):
+    # --print_config round trips: printing the printed config gives the same config
+    printed = _print_config(llama_example, REHEARSAL, capsys)
+    config = tmp_path / "printed.yaml"
+    config.write_text(printed)
+    assert yaml.safe_load(_print_config(llama_example, config, capsys)) == yaml.safe_load(printed)
+    strategy = yaml.safe_load(printed)["trainer"]["strategy"]["init_args"]
+    assert strategy["sharding_strategy"] == "full_shard"
+    assert strategy["state_dict_type"] == "sharded"
+    # ...and the printed config trains: the README's main job, launched for real on 2 CPU processes
+    proc = _run([str(LLAMA), "fit", "--config", str(config), "--trainer.max_steps", "40"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("accelerator=auto: training on CPU processes (no Gaudi found)") == 1  # not per rank
+    assert "GaudiFSDPStrategy configuration" in proc.stdout + proc.stderr
     # activation checkpointing inside LlamaForCausalLM: the KV cache is off in training (transformers 4.x needs it)
     assert re.search(r"KV cache in training +: off in model, model.model \(activation checkpointing\)", proc.stderr)
     match = re.search(r"loss: first=([\d.]+) last=([\d.]+) steps=40", proc.stdout)
@@ -52,26 +105,6 @@ def test_llama_rehearsal_loss_falls(tmp_path):
     assert f"lightning-gaudi-fsdp inspect {last_ckpt.relative_to(tmp_path)}" in proc.stdout
 
 
-def test_print_config_round_trips(tmp_path):
-    printed = _run([str(LLAMA), "fit", "--config", str(REHEARSAL), "--print_config"], tmp_path)
-    assert printed.returncode == 0, printed.stderr[-3000:]
-    config = tmp_path / "printed.yaml"
-    config.write_text(printed.stdout)
-    again = _run([str(LLAMA), "fit", "--config", str(config), "--print_config"], tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert yaml.safe_load(again.stdout) == yaml.safe_load(printed.stdout)
-    strategy = yaml.safe_load(printed.stdout)["trainer"]["strategy"]["init_args"]
-    assert strategy["sharding_strategy"] == "full_shard"
-    assert strategy["state_dict_type"] == "sharded"
-    # ...and the printed config trains
-    run = _run(
-        [str(LLAMA), "fit", "--config", str(config), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3"],
-        tmp_path,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "steps=3" in run.stdout
-
-
 def _with_strategy(tmp_path: Path, strategy: object) -> Path:
     config = yaml.safe_load(REHEARSAL.read_text())
     config["trainer"]["strategy"] = strategy
@@ -82,19 +115,19 @@ def _with_strategy(tmp_path: Path, strategy: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("init_args", "message"),
-    [
-        ({"sharding_strategy": "full"}, "sharding_strategy='full' is not supported; expected one of 'FULL_SHARD'"),
-        (
-            {"auto_wrap_policy": ["transformers.models.llama.modeling_llama.LlamaDecoderLayr"]},
-            "has no attribute 'LlamaDecoderLayr'; did you mean",
-        ),
-        ({"limit_all_gather": True}, "limit_all_gather"),
-        ({"mixed_precision": {"param_dtype": "bfloat17"}}, "mixed_precision['param_dtype']='bfloat17'"),
-    ],
-)
-def test_config_mistakes_fail_before_any_process_starts(tmp_path, init_args, message):
+CONFIG_MISTAKES = [
+    ({"sharding_strategy": "full"}, "sharding_strategy='full' is not supported; expected one of 'FULL_SHARD'"),
+    (
+        {"auto_wrap_policy": ["transformers.models.llama.modeling_llama.LlamaDecoderLayr"]},
+        "has no attribute 'LlamaDecoderLayr'; did you mean",
+    ),
+    ({"limit_all_gather": True}, "limit_all_gather"),
+    ({"mixed_precision": {"param_dtype": "bfloat17"}}, "mixed_precision['param_dtype']='bfloat17'"),
+]
+
+
+def test_a_config_mistake_fails_the_real_command_before_any_process_starts(tmp_path):
+    init_args, message = CONFIG_MISTAKES[0]
     config = _with_strategy(tmp_path, {"class_path": "lightning_gaudi_fsdp.GaudiFSDPStrategy", "init_args": init_args})
     proc = _run([str(LLAMA), "fit", "--config", str(config)], tmp_path, timeout=120)
     assert proc.returncode != 0
@@ -102,16 +135,27 @@ def test_config_mistakes_fail_before_any_process_starts(tmp_path, init_args, mes
     assert "Initializing distributed" not in proc.stdout + proc.stderr
 
 
-def test_strategy_by_registered_name(tmp_path):
-    config = _with_strategy(tmp_path, "gaudi_fsdp")
-    proc = _run([str(LLAMA), "fit", "--config", str(config)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "GaudiFSDPStrategy configuration" in proc.stdout + proc.stderr
+@pytest.mark.parametrize(("init_args", "message"), CONFIG_MISTAKES)
+def test_config_mistakes_are_refused_while_the_config_is_instantiated(
+    tmp_path, llama_example, capsys, init_args, message
+):
+    config = _with_strategy(tmp_path, {"class_path": "lightning_gaudi_fsdp.GaudiFSDPStrategy", "init_args": init_args})
+    with pytest.raises((SystemExit, ValueError, TypeError)) as refused:
+        _instantiate(llama_example, config)
+    assert message in capsys.readouterr().err + str(refused.value)
+
+
+def test_strategy_by_registered_name(tmp_path, llama_example):
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy
+
+    cli = _instantiate(llama_example, _with_strategy(tmp_path, "gaudi_fsdp"))
+    assert type(cli.trainer.strategy) is GaudiFSDPStrategy
+    assert cli.trainer.num_devices == 2
 
 
 def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     script = str(ROOT / "examples" / "fabric_pretrain.py")
-    first = _run([script, "--steps", "20", "--save-every", "10"], tmp_path)
+    first = _run([script, "--steps", "20", "--save-every", "10", "--async-save"], tmp_path)  # committed by teardown
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training on CPU processes (no Gaudi found)" in first.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00010", "step-00020"]
@@ -126,3 +170,21 @@ def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     assert float(mid) < 0.8 * float(start)
     assert float(end) < 0.8 * float(start)
     assert float(again) < 0.8 * float(start)  # the resumed run starts from the trained weights
+
+
+def test_finetune_hf_round_trip_loads_lora_trains_and_exports(tmp_path):
+    proc = _run([str(ROOT / "examples" / "finetune_hf.py"), "--steps", "24"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"CPU processes \(no Gaudi found\): loss: first=([\d.]+) last=([\d.]+) steps=24", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    first, last = map(float, match.groups())
+    assert last < first  # the adapters learn; the base started from its pretrained weights (first < ln(128) = 4.85)
+    assert first < 3.0
+    run = tmp_path / "runs" / "finetune"
+    assert sorted(p.name for p in (run / "hf-adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert (run / "hf-merged" / "config.json").is_file()
+    sample = re.search(r"sample from \S+: \[5, 8, 11, 14(, \d+){8}\]", proc.stdout)
+    assert sample, proc.stdout[-2000:]

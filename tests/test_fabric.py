@@ -23,14 +23,17 @@ def test_same_arguments_and_defaults_as_the_trainer_strategy():
     for lightning_only in ("self", "accelerator", "parallel_devices", "cluster_environment"):
         trainer.pop(lightning_only)
     trainer.pop("precision_plugin"), trainer.pop("checkpoint_io")  # Fabric: `precision`; FSDP uses no CheckpointIO
-    trainer.pop("async_save")  # the Trainer's alone: Fabric saves synchronously
+    fabric = inspect.signature(GaudiFSDPStrategy.__init__).parameters  # async_save: in the signature, as here
+    assert fabric["async_save"].default == trainer.pop("async_save").default is False
     shared = inspect.signature(resolve).parameters  # what Fabric's strategy takes as keywords, with its defaults
     assert list(shared) == list(trainer)
     assert {k: p.default for k, p in shared.items()} == {k: p.default for k, p in trainer.items()}
     with pytest.raises(TypeError, match=r"GaudiFSDPStrategy got unexpected keyword argument\(s\) \['shard'\]"):
         GaudiFSDPStrategy(shard="FULL")
-    with pytest.raises(TypeError, match=r"async_save is a Trainer strategy argument; Fabric saves synchronously"):
-        GaudiFSDPStrategy(async_save=True)
+    assert GaudiFSDPStrategy()._background is None
+    saver = GaudiFSDPStrategy(async_save=True, timeout=30)._background
+    assert saver is not None
+    assert saver.active  # every fabric.save goes to the background (no fit to wait for)
 
 
 BAD = [
@@ -49,6 +52,7 @@ BAD = [
     {"state_dict_type": "local", "sharding_strategy": "NO_SHARD"},
     {"fsdp_version": 2, "backward_prefetch": "BACKWARD_POST"},
     {"fsdp_version": 2, "use_orig_params": False},
+    {"async_save": "later"},
 ]
 
 
@@ -137,6 +141,25 @@ def test_restoring_state_entries_in_place():
     state = {"model": None, "tokens": 5}
     assert _restore_entries(state, {"step": 1}, "model", {}, strict=False) == {"step": 1}
     assert state["tokens"] == 5
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "local"])
+def test_save_filter_is_refused_before_anything_is_written_except_for_full(tmp_path, fmt):
+    model = torch.nn.Linear(2, 2)
+    strategy = GaudiFSDPStrategy(state_dict_type=fmt)
+    path = tmp_path / "ckpt"
+    with pytest.raises(
+        ValueError,
+        match=rf"fabric.save\(filter=...\) needs state_dict_type='full'; this strategy "
+        rf"writes '{fmt}' checkpoints",
+    ):
+        strategy.save_checkpoint(path, {"model": model}, filter={"model": lambda k, v: True})
+    assert not path.exists()
+    full = GaudiFSDPStrategy(state_dict_type="full")
+    with pytest.raises(ValueError, match=r"filter key 'optimiser' is not in the state; expected one of \['model'\]"):
+        full.save_checkpoint(path, {"model": model}, filter={"optimiser": lambda k, v: True})
+    with pytest.raises(TypeError, match=r"filter\['model'\] must be a \(name, value\) -> bool function, got 1"):
+        full.save_checkpoint(path, {"model": model}, filter={"model": 1})
 
 
 @pytest.mark.fsdp2

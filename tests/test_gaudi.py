@@ -281,6 +281,8 @@ def test_reductions_on_hccl_use_only_the_ops_hccl_offers(scenario):
         assert info["lightning_mean_refused"] is True
         assert info["strategy_mean"] == 1.5
         assert info["strategy_sum"] == 3.0
+        assert info["fabric_lightning_mean_refused"] is True  # and so Fabric's door sums and divides too
+        assert info["fabric_mean"] == 1.5
         if info["force_sum_available"]:
             assert info["fsdp2_default_refused"] is True
             assert info["fsdp2_sum_max_grad_error"] < 1e-6

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from lightning_gaudi_fsdp import _liveness
 from lightning_gaudi_fsdp._liveness import Verdict, _process_alive
 
 
@@ -52,3 +53,31 @@ def test_a_rank_whose_launcher_is_gone_leaves_at_once_and_an_unrelated_live_pid_
     alive = _leave_with_launcher_in_a_child("1")
     assert alive.returncode == 0
     assert alive.stdout.strip() == "stayed"
+
+
+def test_an_exception_that_ends_the_script_is_reported_once_before_the_previous_hook_prints_it():
+    """Fabric's door reports through sys.excepthook: the heartbeat's report runs first (its note is printed with the
+    traceback), the hook that was there before still runs, and installing twice chains only once."""
+    # _liveness alone (standard library only at import), without the package's torch and Lightning imports
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_liveness", {_liveness.__file__!r})
+_liveness = sys.modules["_liveness"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_liveness)
+
+class Recording(_liveness.Heartbeat):
+    def report(self, exception):
+        exception.add_note(f"reported by rank {{self.rank}}")
+        return None
+
+def previous(kind, value, tb):
+    sys.stderr.write("previous hook: " + " | ".join([str(value), *value.__notes__]) + "\\n")
+
+sys.excepthook = previous
+_liveness.report_uncaught(Recording(0, 2, "node"))
+_liveness.report_uncaught(Recording(1, 2, "node"))  # the same hook, now for rank 1
+raise RuntimeError("boom")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "previous hook: boom | reported by rank 1"

@@ -64,25 +64,24 @@ def test_a_pool_server_killed_between_scenarios_is_replaced(tmp_path):
     assert len(set(_pids(tmp_path / "second", 2))) == 2
 
 
+@needs_session_pool
 def test_a_failed_rank_s_partner_is_killed_after_the_grace_period(tmp_path):
-    """Rank 0 exits with 3 while rank 1 sleeps: the pool kills rank 1 after SCENARIO_POOL_GRACE_S, as torchrun
-    would, and the scenario reports rank 0's code long before its timeout. A pool of its own, so the session's keeps
-    its 30 s grace."""
-    from conftest import SCENARIOS, ScenarioPool
+    """Rank 0 exits with 3 while rank 1 sleeps: the pool kills rank 1 after the grace period (30 s by default, 0.5 s
+    for this scenario), as torchrun would, and the scenario reports rank 0's code long before its timeout."""
+    from conftest import SCENARIOS, _scenario_pool
 
     grace = 0.5
-    pool = ScenarioPool(env={"SCENARIO_POOL_GRACE_S": str(grace)})
+    pool = _scenario_pool()
     out = tmp_path / "out"
     out.mkdir()
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps({"out": str(out), "exit_codes": {"0": 3}}))
-    try:
-        pool._ensure()  # started before the clock: the server's imports are not part of what is measured
-        started = time.monotonic()
-        result = pool.run(SCENARIOS / HANG, [str(cfg_file)], nprocs=2, distributed=True, logs=out, timeout=60)
-        elapsed = time.monotonic() - started
-    finally:
-        pool.close()
+    pool._ensure()  # started before the clock: the server's imports are not part of what is measured
+    started = time.monotonic()
+    result = pool.run(
+        SCENARIOS / HANG, [str(cfg_file)], nprocs=2, distributed=True, logs=out, timeout=60, grace_s=grace
+    )
+    elapsed = time.monotonic() - started
 
     assert result.returncode == 3
     assert grace <= elapsed < 30, elapsed

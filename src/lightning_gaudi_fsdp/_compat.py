@@ -91,3 +91,15 @@ def dcp_save(
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
     _save_state_dict(state, storage_writer=dcp.FileSystemWriter(os.fspath(checkpoint_id)), no_dist=True)
+
+
+def add_note(exception: BaseException, note: str) -> None:
+    """``exception.add_note(note)`` (Python >= 3.11, printed under the traceback). On Python 3.10 the note is kept in
+    ``__notes__`` as 3.11 does, and appended to the message of a one-argument exception so it is still printed."""
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+        return
+    notes = getattr(exception, "__notes__", None)
+    exception.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+    if len(exception.args) == 1 and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{note}",)

@@ -10,13 +10,17 @@ window: a rank that is gone without a recorded error is the one that was lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from lightning_gaudi_fsdp import _compat
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +28,9 @@ _PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
 _LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that starts the other ranks
 _PR_SET_PDEATHSIG = 1
+_REPORTED = "_lightning_gaudi_fsdp_reported"  # set on an exception once reported
 _launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
+_uncaught: Heartbeat | None = None  # the heartbeat whose rank reports exceptions that end the script
 
 
 def mark_launcher() -> None:
@@ -48,7 +54,6 @@ def leave_with_launcher() -> None:
     if not launcher or launcher == os.getpid():
         return
     import signal
-    import sys
 
     if os.getppid() == launcher:
         try:
@@ -197,6 +202,21 @@ class Heartbeat:
             self._thread.join(timeout=2 * self.interval_s)
             self._thread = None
 
+    def report(self, exception: BaseException) -> str | None:
+        """Handle an exception that ends this rank's run, once: record it in the store and, when it looks like a lost
+        peer, attach the verdict naming the rank(s) at fault to the exception (a note, printed with its traceback)
+        and log it. Returns the message, if any."""
+        if isinstance(exception, KeyboardInterrupt | SystemExit) or getattr(exception, _REPORTED, False):
+            return None
+        with contextlib.suppress(AttributeError):  # a type with __slots__ may be reported twice: harmless
+            setattr(exception, _REPORTED, True)
+        verdict = self.on_failure(exception)
+        message = verdict.message(self.rank, self.world_size) if verdict is not None else None
+        if message:
+            _compat.add_note(exception, message)
+            log.error(f"[rank {self.rank}] {message}")
+        return message
+
     def on_failure(self, exception: BaseException) -> Verdict | None:
         """Record this rank's error in the store (numbered, so survivors can tell which came first); when the error
         looks like a lost peer, also find out which ranks are gone and which recorded errors of their own."""
@@ -256,10 +276,32 @@ class Heartbeat:
         return gone
 
 
+def report_uncaught(heartbeat: Heartbeat) -> None:
+    """Report, through ``heartbeat``, an exception that ends the script (``sys.excepthook``, before the traceback is
+    printed): for a front door without an exception hook of its own (Fabric). Installed once per process; a later
+    call only changes the heartbeat. An exception a launcher catches before it reaches the interpreter is not seen."""
+    global _uncaught
+    _uncaught = heartbeat
+    if getattr(sys.excepthook, _REPORTED, False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        current = _uncaught
+        if current is not None:
+            try:
+                current.report(value)
+            except Exception as err:  # noqa: BLE001 - the original traceback must be printed whatever happens
+                log.debug(f"lightning_gaudi_fsdp: could not report the failure: {err}")
+        previous(kind, value, traceback)
+
+    setattr(hook, _REPORTED, True)
+    sys.excepthook = hook
+
+
 def _dump_stacks(rank: int, asked_by: str) -> None:
     """Print every thread's Python stack to stderr (from the heartbeat thread, while the main thread is stuck)."""
     import faulthandler
-    import sys
 
     sys.stderr.write(f"lightning_gaudi_fsdp: rank {rank} stack, asked by rank {asked_by} (its collective failed):\n")
     sys.stderr.flush()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from torch.nn import Module
 
 if TYPE_CHECKING:
-    from lightning_gaudi_fsdp.strategy import GaudiFSDPStrategy
+    from typing import Any
 
 log = logging.getLogger("lightning_gaudi_fsdp")
 
@@ -72,8 +72,9 @@ def _held_row(held_per_rank: list[int]) -> str:
     return f"{low:,} to {high:,} elements (rank {held_per_rank.index(high)} holds the most)"
 
 
-def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -> str:
-    model = strategy._wrapped_model()
+def configuration_table(strategy: Any, model: Module, held_per_rank: list[int], precision: tuple[str, str]) -> str:
+    """The table rank 0 prints when a door sets the model up (the Trainer at fit start, Fabric in ``setup_module``).
+    ``strategy``: either door; ``precision``: the row naming the door's precision setting."""
     fsdp2 = strategy._fsdp_version == 2
     mp = strategy._mp_policy if fsdp2 else strategy.mixed_precision_config
     if mp is None:
@@ -88,7 +89,7 @@ def configuration_table(strategy: GaudiFSDPStrategy, held_per_rank: list[int]) -
         ("FSDP units", str(fsdp_unit_count(model))),
         ("parameter shards per rank" if fsdp2 else "flat parameters per rank", _held_row(held_per_rank)),
         ("mixed precision", dtypes),
-        ("Trainer precision", str(strategy.precision_plugin.precision)),
+        precision,
         ("state_dict_type", strategy._state_dict_type + (", saved in the background" if strategy._background else "")),
         ("backend", str(strategy.process_group_backend)),
         ("device", str(strategy.root_device)),

@@ -1,6 +1,7 @@
 """What the two front doors (the Trainer's ``strategy.GaudiFSDPStrategy`` and Fabric's ``fabric.GaudiFSDPStrategy``)
 have in common, written once: argument resolution, the Gaudi runtime around devices, backend, launcher and process
-group, sharding a module with either engine, gradient clipping, HCCL reductions and checked checkpoint loading.
+group, sharding a module with either engine, the rank-agreement check and start table, gradient clipping and HCCL
+reductions (checkpoints: :mod:`._checkpoints`).
 
 Lightning's Trainer and Fabric ``FSDPStrategy`` classes share no base beyond ``ParallelStrategy`` of different
 packages, so the functions here take the strategy object itself (``door``) and read the attributes both doors have:
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +26,12 @@ import torch.distributed
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
-from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
-from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint import pretrained
+
+log = logging.getLogger("lightning_gaudi_fsdp")
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -50,6 +53,7 @@ class Resolved:
     eager_pipeline: bool | None
     keep_batch_dtypes: bool
     check_free_space: bool | None
+    pretrained: pretrained.Weights | None
 
 
 def resolve(
@@ -77,6 +81,8 @@ def resolve(
     eager_pipeline: Any = None,
     fsdp_version: Any = 1,
     check_free_space: Any = None,
+    pretrained_weights: Any = None,
+    pretrained_prefix: Any = "",
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -119,6 +125,17 @@ def resolve(
         "limit_all_gathers": limit,
         "use_orig_params": orig,
     }
+    weights = pretrained.resolve(pretrained_weights, pretrained_prefix)
+    if weights is not None and parent["param_init_fn"] is not None:
+        raise ValueError(
+            "param_init_fn and pretrained_weights cannot be combined: with pretrained_weights the strategy builds "
+            "the parameters on the meta device and fills them from the file (PEFT adapters as PEFT initialises them)"
+        )
+    if weights is not None and parent["sync_module_states"]:
+        raise ValueError(
+            "sync_module_states=True and pretrained_weights cannot be combined: every rank reads its own shards from "
+            "the file, there is no rank 0 model to broadcast"
+        )
     ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
     ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
     if ignored_modules is not None and ignored_states is not None:
@@ -142,6 +159,7 @@ def resolve(
         check_free_space=None
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
+        pretrained=weights,
     )
 
 
@@ -179,6 +197,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._eager_pipeline = resolved.eager_pipeline
     door._keep_batch_dtypes = resolved.keep_batch_dtypes
     door._check_free_space = resolved.check_free_space
+    door._pretrained = resolved.pretrained
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -187,10 +206,8 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------- devices, backend, launch
 class GaudiPlatform:
     """Mixed in before Lightning's ``FSDPStrategy`` (the Trainer's or Fabric's): the root device, the process-group
-    backend, the launcher checks and the process group on Gaudi. ``_heartbeat_on``: start the liveness heartbeat (the
-    Trainer's door stops it in ``teardown`` and reads it in ``on_exception``)."""
-
-    _heartbeat_on = True
+    backend, the launcher checks, the process group on Gaudi and the liveness heartbeat (each door stops it in
+    ``teardown`` and reports failures through it: the Trainer in ``on_exception``, Fabric from ``sys.excepthook``)."""
 
     @property
     def _on_hpu(self) -> bool:
@@ -216,7 +233,7 @@ class GaudiPlatform:
     def setup_environment(self) -> None:
         before_process_group(self)
         super().setup_environment()  # type: ignore[misc]
-        after_process_group(self, heartbeat=self._heartbeat_on)
+        after_process_group(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -276,7 +293,7 @@ def before_process_group(door: Any) -> None:
         gaudi.import_hccl()
 
 
-def after_process_group(door: Any, heartbeat: bool = True) -> None:
+def after_process_group(door: Any) -> None:
     """In ``setup_environment``, once the process group exists: the hybrid mesh on our device, the heartbeat."""
     if isinstance(door._device_mesh, tuple):
         from torch.distributed.device_mesh import init_device_mesh
@@ -287,10 +304,16 @@ def after_process_group(door: Any, heartbeat: bool = True) -> None:
         )
     if door._device_mesh is not None:
         door.kwargs["device_mesh"] = door._device_mesh
-    if heartbeat and door.world_size > 1 and door._heartbeat is None:
+    if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
         door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node)
         door._heartbeat.start()
+
+
+def stop_heartbeat(door: Any) -> None:
+    if door._heartbeat is not None:
+        door._heartbeat.stop()
+        door._heartbeat = None
 
 
 def reduce_on_hccl(tensor: Any, group: Any, reduce_op: Any, backend: str | None, reduce: Callable[..., Any]) -> Any:
@@ -363,25 +386,79 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     kwargs = dict(door.kwargs)
+    prepared = plan_pretrained(door, model)
+    if prepared is not None:
+        kwargs["param_init_fn"] = pretrained.empty_init(fsdp_device(door))
     if kwargs.get("sync_module_states") and fsdp_device(door).type == "cpu":
         # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
         broadcast_module_states(model)
         kwargs["sync_module_states"] = False
-    model = FSDP(
-        module=model,
-        cpu_offload=effective_cpu_offload(door),
-        mixed_precision=door.mixed_precision_config,
-        sharding_strategy=door.sharding_strategy,
-        device_id=fsdp_device(door),
-        **resolve_ignored(door, model),
-        **kwargs,
-    )
+    try:
+        model = FSDP(
+            module=model,
+            cpu_offload=effective_cpu_offload(door),
+            mixed_precision=door.mixed_precision_config,
+            sharding_strategy=door.sharding_strategy,
+            device_id=fsdp_device(door),
+            **resolve_ignored(door, model),
+            **kwargs,
+        )
+    except ValueError as err:
+        if "requires_grad=True and False" not in str(err):
+            raise
+        raise ValueError(_mixed_requires_grad_message(str(err))) from err
     _move_torchmetrics_to_device(model, door.root_device)
+    load_pretrained(door, model, prepared)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )
     keep_batch_dtypes(door, model)
     return model
+
+
+def _mixed_requires_grad_message(torch_message: str) -> str:
+    unit = torch_message.split(" has both", 1)[0]
+    return (
+        f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
+        "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
+        "pass use_orig_params=True (the default)"
+    )
+
+
+def init_context(door: Any) -> AbstractContextManager:
+    """Around the model's construction (``configure_model``, ``fabric.init_module()``): with ``pretrained_weights``,
+    parameters are created on the meta device (the shards get the file's values after wrapping)."""
+    return pretrained.parameters_on_meta() if door._pretrained is not None else nullcontext()
+
+
+def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
+    """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
+    so every rank raises them before any collective); adapters draw from rank 0's seed."""
+    if door._pretrained is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        raise ValueError(
+            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
+            "and let auto_wrap_policy choose the FSDP units"
+        )
+    prepared = pretrained.plan(model, door._pretrained)
+    prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
+    return prepared
+
+
+def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) -> None:
+    """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
+    if prepared is None:
+        return
+    written = pretrained.load(model, prepared)
+    log.info(
+        "rank %d: %d pretrained elements read from %s into its shards",
+        door.global_rank,
+        written,
+        door._pretrained.path,
+    )
 
 
 def keep_batch_dtypes(door: Any, model: Module) -> None:
@@ -415,6 +492,7 @@ def shard_fsdp2(door: Any, model: Module) -> Module:
 
     from lightning_gaudi_fsdp.engine import fsdp2
 
+    prepared = plan_pretrained(door, model)
     ignored = resolve_ignored(door, model)
     if door.kwargs.get("sync_module_states"):
         broadcast_module_states(model)
@@ -433,7 +511,9 @@ def shard_fsdp2(door: Any, model: Module) -> Module:
         ignored_params=_ignored_parameters(ignored),
         root_casts_inputs=not door._keep_batch_dtypes,
     )
-    fsdp2.materialize_meta(model, fsdp_device(door), door.kwargs.get("param_init_fn"))
+    init_fn = pretrained.empty_init(fsdp_device(door)) if prepared is not None else door.kwargs.get("param_init_fn")
+    fsdp2.materialize_meta(model, fsdp_device(door), init_fn)
+    load_pretrained(door, model, prepared)
     if door.kwargs.get("forward_prefetch"):
         fsdp2.set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
@@ -513,50 +593,28 @@ def clip_grad_norm(root: Module | None, max_norm: float, norm_type: float = 2.0)
     return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
 
 
-# ---------------------------------------------------------------------------------------------------- checkpoints
-def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:
-    """Record the engine (and, for full checkpoints with optimizer state, the parameter names) in ``checkpoint``;
-    returns the local-format metadata (None for the other formats)."""
-    checkpoint[formats.ENGINE_KEY] = door._fsdp_version
-    if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
-        checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
-    if door._state_dict_type != "local":
-        return None
-    return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
+def check_ranks_agree(door: Any, model: Module) -> list[int]:
+    """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+    fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+    flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
+    fingerprint = _report.fingerprint(model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((fingerprint, _report.held_elements(model)), door.world_size)
+    gathered = [pair[0] for pair in gathered_pairs]
+    for rank, other in enumerate(gathered):
+        if other != fingerprint:
+            diff = _report.describe_difference(gathered[0], other)
+            raise ValueError(
+                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
+                "build the same model with the same strategy arguments"
+            )
+    return [pair[1] for pair in gathered_pairs]
 
 
-def load_agreed(
-    door: Any,
-    path: Path,
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool,
-    weights_only: bool,
-    load_optimizers: bool,
-) -> dict[str, Any]:
-    """Check ``path`` against ``model`` on every rank; only when every rank passed, load it (model, optimizers).
-    Returns the rest of the checkpoint. Any rank's problem raises :class:`~.formats.CheckpointError` on every rank
-    before a weight changes: nobody waits in a collective alone."""
-    device_type = door.root_device.type
-    pending, error = None, None
-    try:
-        pending = loading.check_load(
-            path,
-            model,
-            world_size=door.world_size,
-            rank=door.global_rank,
-            device_type=device_type,
-            strict=strict,
-            weights_only=weights_only,
-        )
-    except formats.CheckpointError as err:
-        error = err.problem
-    errors = gather_objects(error, door.world_size)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-    if failed or pending is None:
-        rank, problem = failed[0] if failed else (door.global_rank, str(error))
-        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
-    return loading.apply_load(
-        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
-    )
+def announce(door: Any, model: Module, precision: tuple[str, str], show: bool = True) -> None:
+    """Once the model is set up: every rank checks that all ranks wrapped it alike (:func:`check_ranks_agree`), then
+    rank 0 prints the configuration table (when ``show``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    held_per_rank = check_ranks_agree(door, model)
+    if show and door.global_rank == 0:
+        rank_zero_info(_report.configuration_table(door, model, held_per_rank, precision))

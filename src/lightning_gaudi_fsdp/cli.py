@@ -2,7 +2,8 @@
 
 Each command parses its arguments, calls library functions, prints, and returns an exit code: 0 on success, 1 when
 ``doctor`` finds a blocking problem, 2 for a bad path, format or argument, or a checkpoint refused as unsafe (one line
-on stderr). ``inspect`` and ``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
+on stderr; also for a missing optional package such as ``safetensors`` for ``convert --to hf``). ``inspect`` and
+``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("epoch / step", f"{info['epoch']} / {info['global_step']}"),
         ("lightning", str(info.get("lightning_version"))),
     ]
+    hf = info.get("hf_model")
+    if hf is not None:  # what `convert --to hf` uses by default
+        peft = hf.get("peft") or {}
+        adapters = ", ".join(f"{name} (LoRA r={c.get('r')}, alpha={c.get('lora_alpha')})" for name, c in peft.items())
+        rows += [
+            ("hugging face model", f"under {hf.get('prefix')!r}" + (f"; PEFT adapters: {adapters}" if adapters else ""))
+        ]
     if info["format"] == "local":
         rows += [("sharding strategy", str(info["sharding_strategy"]))]
         if info["fsdp_units"] is not None:
@@ -67,7 +75,31 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+_HF_ONLY = ("prefix", "hf_config", "dtype", "max_shard_size", "peft")
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
+    if args.to == "hf":
+        from lightning_gaudi_fsdp.checkpoint.hf_export import export_hf
+
+        notes = export_hf(
+            args.src,
+            args.dst,
+            prefix=args.prefix,
+            hf_config=args.hf_config,
+            dtype=args.dtype,
+            max_shard_size="5GB" if args.max_shard_size is None else args.max_shard_size,
+            peft=args.peft,
+            weights_only=not _trusting(args, args.src),
+        )
+        what = {"adapter": "PEFT adapter", "merged": "merged Hugging Face model"}.get(args.peft, "Hugging Face model")
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(f"wrote {what} {args.dst}")
+        return 0
+    given = [f"--{name.replace('_', '-')}" for name in _HF_ONLY if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to --to hf, not --to {args.to}")
     from lightning_gaudi_fsdp.checkpoint.convert import convert
 
     notes = convert(args.src, args.dst, args.to, progress=_progress, weights_only=not _trusting(args, args.src))
@@ -108,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a checkpoint offline (no process group, no device)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=["full", "sharded"])
+    p.add_argument("--to", required=True, choices=["full", "sharded", "hf"])
+    hf = p.add_argument_group("--to hf", "write a Hugging Face directory (safetensors, config) for from_pretrained")
+    hf.add_argument("--prefix", help="removed from every key (default: where the model sat, recorded at save time)")
+    hf.add_argument("--hf-config", help="model directory whose config.json, tokenizer and generation files are copied")
+    hf.add_argument("--dtype", help="bf16, fp16 or fp32 for floating tensors (default: as saved)")
+    hf.add_argument("--max-shard-size", help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB")
+    hf.add_argument("--peft", help="for a PEFT model: adapter (adapter_model.safetensors) or merged (plain model)")
     _add_trust_flag(p)
     p.set_defaults(func=_cmd_convert)
     p = sub.add_parser("doctor", help="check this machine for FSDP on Gaudi (or a CPU rehearsal)")
@@ -126,6 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
+    except (ValueError, OSError, ImportError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
         print(f"lightning-gaudi-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2

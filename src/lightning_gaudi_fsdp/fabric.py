@@ -8,8 +8,11 @@ The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are t
 
 from __future__ import annotations
 
+import atexit
+import functools
+import weakref
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +28,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _shared, precision
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
+from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
@@ -46,18 +49,28 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), with the same
     defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
     ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
-    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). ``async_save`` is the
-    Trainer's alone: ``fabric.save`` returns once the checkpoint is committed.
+    ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). With
+    ``pretrained_weights``, a model built under ``fabric.init_module()`` gets its parameters on the meta device and
+    ``setup_module`` fills each rank's shards from the file.
 
     ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
     ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
-    resumes from it and Fabric loads the Trainer's checkpoints. ``fabric.load(path, state)`` detects the format on
-    disk, checks it on every rank before any weight changes, restores the model, the optimizers and every object with
-    ``load_state_dict`` (schedulers...) in place, and puts plain values back into ``state``.
+    resumes from it and Fabric loads the Trainer's checkpoints. ``filter={"model": lambda name, value: ...}`` keeps
+    only the entries a function accepts (``state_dict_type="full"`` only). ``fabric.load(path, state)`` detects the
+    format on disk, checks it on every rank before any weight changes, restores the model, the optimizers and every
+    object with ``load_state_dict`` (schedulers...) in place, and puts plain values back into ``state``.
+    ``fabric.load_raw(path, obj)`` loads a model (set up or not) or an optimizer from any checkpoint of either door or
+    from a plain ``torch.save`` of a state dict.
+
+    ``async_save=True``: ``fabric.save`` returns once the state is copied into host buffers; a background thread
+    writes and commits it while the loop goes on (any format; at most one save in flight). Fabric has no end-of-run
+    hook, so the save in flight is waited for by the next ``fabric.save``, by ``fabric.load``/``load_raw``, by
+    ``fabric.strategy.teardown()`` (each raises a failed background save on every rank as ``CheckpointSaveError``),
+    and, as a last resort, when the interpreter exits (``atexit``; a failure there is logged, not raised, and
+    ``os._exit`` skips it).
     """
 
     strategy_name = "gaudi_fsdp"
-    _heartbeat_on = False  # Fabric has no on_exception hook to report through
 
     def __init__(
         self,
@@ -65,13 +78,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
+        async_save: bool = False,
         **arguments: Any,
     ) -> None:
-        if "async_save" in arguments:
-            raise TypeError(
-                "async_save is a Trainer strategy argument; Fabric saves synchronously (fabric.save returns "
-                "once the checkpoint is committed)"
-            )
         resolved = _shared.resolve_keywords(type(self).__name__, arguments)
         super().__init__(
             accelerator=accelerator,
@@ -82,6 +91,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         )
         _shared.adopt(self, resolved, self._fsdp_kwargs)
         self._backward_sync_control = _NoSync()
+        self._background = _checkpoints.background_saver(async_save, self._timeout)
+        if self._background is not None:
+            self._background.active = True  # every fabric.save, until teardown
+        self._waits_at_exit = False
+        self._models: weakref.WeakSet[Module] = weakref.WeakSet()  # every model set up, for load_raw(optimizer)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -106,6 +120,24 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.precision.set_device_type(self.root_device.type)
+        if self._heartbeat is not None:
+            _liveness.report_uncaught(self._heartbeat)  # Fabric has no exception hook of its own
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the background save in flight (raising its failure on every rank), stop the heartbeat."""
+        try:
+            if self._background is not None:
+                gather = functools.partial(_shared.gather_objects, world_size=self.world_size)
+                self._background.finish(rank=self.global_rank, gather=gather)
+        finally:
+            _shared.stop_heartbeat(self)
+            # Lightning's Strategy.teardown, less checkpoint_io.teardown(): its Fabric FSDPStrategy raises
+            # NotImplementedError from the checkpoint_io property, so the inherited teardown cannot run.
+            self.cluster_environment.teardown()  # type: ignore[union-attr]
+            self.precision.teardown()
+            if self.accelerator is not None:
+                self.accelerator.teardown()
 
     # ----------------------------------------------------------------------------------------------------- modules
     @override
@@ -116,6 +148,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             if not fsdp2.is_fsdp2(module):
                 _shared.shard_fsdp2(self, module)
         elif any(isinstance(m, FSDP) for m in module.modules()):
+            _shared.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
             module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
             if isinstance(module, FSDP):
                 _shared.keep_batch_dtypes(self, module)
@@ -124,6 +157,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if self._compile_kwargs is not None:
             _shared.compile_root(self, module)
         self.precision.attach(module)
+        _shared.announce(self, module, ("Fabric precision", str(self.precision.precision)))
+        self._models.add(module)
         return module
 
     @override
@@ -141,9 +176,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def module_sharded_context(self) -> AbstractContextManager:
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        if self._fsdp_version == 2:
-            return nullcontext()  # fully_shard has no wrap() to configure
-        return enable_wrap(**_shared.wrap_context_kwargs(self))
+        stack = ExitStack()
+        if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
+            stack.enter_context(enable_wrap(**_shared.wrap_context_kwargs(self)))
+        stack.enter_context(_shared.init_context(self))
+        return stack
 
     @override
     def clip_gradients_norm(
@@ -174,43 +211,43 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         """Write ``state`` to ``path`` in ``state_dict_type``'s format (see the class docstring)."""
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
-        if filter is not None:
-            raise NotImplementedError("GaudiFSDPStrategy.save_checkpoint does not take filter; save a smaller state")
+        fmt = self._state_dict_type
+        _check_filter(filter, state, fmt)
+        device_type = self.root_device.type
         path = Path(self.broadcast(str(path)))
         model_key, model = _find_model(state)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-        fmt, device_type = self._state_dict_type, self.root_device.type
         clash = [key for key in state if key in _TRAINER_KEYS or key == FABRIC_KEYS]
         if clash:
             raise ValueError(f"state keys {clash} are reserved for the checkpoint layout; rename them")
+        keep = _filtered(filter or {})
         others = {
-            key: obj.state_dict() if isinstance(obj, _Stateful) else obj
+            key: keep(key, obj.state_dict() if isinstance(obj, _Stateful) else obj)
             for key, obj in state.items()
             if key != model_key and key not in optimizers
         }
         schedulers = [key for key, obj in state.items() if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
         checkpoint: dict[str, Any] = {
-            "state_dict": formats.model_state_dict(model, fmt, device_type),
+            "state_dict": keep(model_key, formats.model_state_dict(model, fmt, device_type)),
             "optimizer_states": [
-                formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank)
-                for opt in optimizers.values()
+                keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank))
+                for key, opt in optimizers.items()
             ],
             "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
             _VERSION_KEY: lightning.__version__,
             **others,
             FABRIC_KEYS: {"model": model_key, "optimizers": list(optimizers), "schedulers": schedulers},
         }
-        metadata = _shared.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
-        formats.save(
-            fmt,
-            checkpoint,
-            path,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            gather=lambda obj: _shared.gather_objects(obj, self.world_size),
-            local_metadata=metadata,
-            check_free_space=self._check_free_space,
-        )
+        metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
+        if self._background is not None and not self._waits_at_exit:
+            atexit.register(self._wait_at_exit)
+            self._waits_at_exit = True
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
+
+    def _wait_at_exit(self) -> None:
+        # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.
+        if self._background is not None and self._background.active:
+            self._background.finish(rank=self.global_rank, gather=lambda obj: [obj], interrupted=True)
 
     @override
     def load_checkpoint(
@@ -231,34 +268,88 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
                 "GaudiFSDPStrategy.load_checkpoint needs a state with the model to load into, e.g. "
                 "fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
-        if isinstance(state, Optimizer):
-            raise NotImplementedError("an optimizer alone cannot be loaded; pass {'model': model, 'optimizer': ...}")
         path = Path(self.broadcast(str(path)))
-        entries = {"model": state} if isinstance(state, Module) else state
-        model_key, model = _find_model(entries)
-        optimizers = {key: obj for key, obj in entries.items() if isinstance(obj, Optimizer)}
-        rest = _shared.load_agreed(
+        _checkpoints.wait_for_saves(self, f"loading {str(path)!r}")
+        safe = weights_only is not False
+        if isinstance(state, Module | Optimizer):
+            self._load_raw(path, state, strict, safe)
+            return {}
+        model_key, model = _find_model(state)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+        rest = _checkpoints.load_agreed(
             self,
             path,
             model,
             list(optimizers.values()),
             strict=strict,
-            weights_only=weights_only is not False,
+            weights_only=safe,
             load_optimizers=bool(optimizers),
         )
-        if isinstance(state, Module):
-            return {}
         return _restore_entries(state, rest, model_key, optimizers, strict)
+
+    def _load_raw(self, path: Path, obj: Module | Optimizer, strict: bool, weights_only: bool) -> None:
+        """``fabric.load_raw``: a model set up by this strategy loads any checkpoint (its format from disk) or a
+        plain state-dict file, checked on every rank first; a model not set up loads the full state of any of them;
+        an optimizer loads from a single file (see :func:`.loading.read_full_optimizer_state`)."""
+        if isinstance(obj, Module):
+            if _is_sharded(obj):
+                _checkpoints.load_agreed(
+                    self, path, obj, [], strict=strict, weights_only=weights_only, load_optimizers=False, raw=True
+                )
+            else:
+                obj.load_state_dict(loading.read_full_model_state(path, weights_only=weights_only), strict=strict)
+            return
+        state = _checkpoints.agreed(
+            self, path, lambda: loading.read_full_optimizer_state(path, weights_only=weights_only)
+        )
+        held = {id(p) for group in obj.param_groups for p in group["params"]}
+        owner = next((m for m in self._models if held <= {id(p) for p in m.parameters()}), None)
+        if owner is not None:  # an optimizer of a sharded model: the full state is sharded as it loads
+            loading.load_full_optimizer(owner, obj, state, self.root_device.type)
+        else:
+            obj.load_state_dict(state)
+
+
+def _is_sharded(module: Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return fsdp2.is_fsdp2(module) or any(isinstance(m, FSDP) for m in module.modules())
+
+
+def _check_filter(filter: Any, state: dict[str, Any], fmt: str) -> None:
+    """``fabric.save(..., filter=...)``: a dict from keys of ``state`` to ``(name, value) -> bool`` functions, on
+    full checkpoints only (a sharded or local checkpoint must hold every shard to load)."""
+    if filter is None:
+        return
+    if fmt != "full":
+        raise ValueError(
+            f"fabric.save(filter=...) needs state_dict_type='full'; this strategy writes {fmt!r} checkpoints, which "
+            "must hold every shard to load (accepted: a filter with 'full', or no filter)"
+        )
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter must be a dict from state keys to (name, value) -> bool functions, got {filter!r}")
+    for key, fn in filter.items():
+        if key not in state:
+            raise ValueError(f"filter key {key!r} is not in the state; expected one of {sorted(state)}")
+        if not callable(fn):
+            raise TypeError(f"filter[{key!r}] must be a (name, value) -> bool function, got {fn!r}")
+
+
+def _filtered(filter: dict[str, Callable[[str, Any], bool]]) -> Callable[[str, Any], Any]:
+    """``keep(key, state)``: ``state`` with only the entries ``filter[key]`` accepts (as Fabric filters: a state
+    that is not a dict, or a key without a filter, is kept whole)."""
+
+    def keep(key: str, value: Any) -> Any:
+        fn = filter.get(key)
+        if fn is None or not isinstance(value, dict):
+            return value
+        return {name: item for name, item in value.items() if fn(name, item)}
+
+    return keep
 
 
 def _find_model(state: dict[str, Any]) -> tuple[str, Module]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    found = [
-        (key, obj)
-        for key, obj in state.items()
-        if isinstance(obj, Module) and (fsdp2.is_fsdp2(obj) or any(isinstance(m, FSDP) for m in obj.modules()))
-    ]
+    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and _is_sharded(obj)]
     if len(found) != 1:
         raise ValueError(
             f"the state must hold exactly one model set up by Fabric (found {len(found)}); save and load each model "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,7 +18,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -28,16 +27,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _liveness, _report, _shared, gaudi, options, precision
+from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
-from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
-
-log = logging.getLogger(__name__)
 
 _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
@@ -98,6 +94,16 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             ``ModelCheckpoint`` rotates out is removed only after the newer one committed. A background save that
             fails raises ``CheckpointSaveError`` on every rank at the next save or at the end of fit. Saves outside
             ``fit`` (or after it) stay synchronous. README: "Saving in the background".
+        pretrained_weights: start from these weights: a Hugging Face model directory (``model.safetensors``, or
+            several files with ``model.safetensors.index.json``), one ``.safetensors`` file, or a checkpoint of
+            this strategy (full, sharded or local; its model weights only: step 0, fresh optimizer). The model built
+            in ``configure_model`` gets its parameters on the meta device, and after wrapping each rank reads only
+            the slices of its own shards (every stage: fit, validate, test, predict; ``ckpt_path`` still overrides
+            them). A parameter the file does not cover, or a file key that fits no parameter, fails before training
+            with the keys named; PEFT adapters are initialised as PEFT does. README: "Fine-tuning a Hugging Face
+            model".
+        pretrained_prefix: prepended to every file key to name the module parameter it fills (e.g. ``"model."``
+            when the LightningModule holds the Hugging Face model as ``self.model``).
     """
 
     strategy_name = "gaudi_fsdp"
@@ -132,6 +138,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         eager_pipeline: bool | None = None,
         fsdp_version: int = 1,
         check_free_space: bool | None = None,
+        pretrained_weights: str | None = None,
+        pretrained_prefix: str = "",
         async_save: bool = False,
     ) -> None:
         resolved = _shared.resolve_from(locals())
@@ -144,8 +152,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             **resolved.parent,
         )
         _shared.adopt(self, resolved, self.kwargs)
-        # Trainer only: Fabric's saves stay synchronous
-        self._background = BackgroundSaver(self._timeout) if options.resolve_bool(async_save, "async_save") else None
+        self._background = _checkpoints.background_saver(async_save, self._timeout)
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
@@ -156,22 +163,14 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         try:
             self._finish_background_saves()
         finally:
-            if self._heartbeat is not None:
-                self._heartbeat.stop()
-                self._heartbeat = None
+            _shared.stop_heartbeat(self)
             super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        heartbeat = self._heartbeat
-        if heartbeat is None or isinstance(exception, KeyboardInterrupt | SystemExit):
-            return
-        verdict = heartbeat.on_failure(exception)
-        message = verdict.message(self.global_rank, self.world_size) if verdict is not None else None
-        if message:
-            exception.add_note(message)
-            log.error(f"[rank {self.global_rank}] {message}")
+        if self._heartbeat is not None:
+            self._heartbeat.report(exception)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -210,6 +209,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
+            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
                 self._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -241,16 +241,19 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(**_shared.wrap_context_kwargs(self)):
+        with enable_wrap(**_shared.wrap_context_kwargs(self)), _shared.init_context(self):
             yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
-        held_per_rank = self._check_ranks_agree()
-        if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
-            rank_zero_info(_report.configuration_table(self, held_per_rank))
+        _shared.announce(
+            self,
+            self._wrapped_model(),
+            ("Trainer precision", str(self.precision_plugin.precision)),
+            show=trainer.state.fn == TrainerFn.FITTING,
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -293,23 +296,6 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise RuntimeError(f"GaudiFSDPStrategy.{method}: the model is not set up")
         with context():
             return self._forward_redirection(module, module, method, *args, **kwargs)
-
-    def _check_ranks_agree(self) -> list[int]:
-        """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
-        fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
-        flat-parameter elements each rank holds."""
-        model = self._wrapped_model()
-        fingerprint = _report.fingerprint(model, self.sharding_strategy.name)
-        gathered_pairs = self._gather_objects((fingerprint, _report.held_elements(model)))
-        gathered = [pair[0] for pair in gathered_pairs]
-        for rank, other in enumerate(gathered):
-            if other != fingerprint:
-                diff = _report.describe_difference(gathered[0], other)
-                raise ValueError(
-                    f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
-                    "build the same model with the same strategy arguments"
-                )
-        return [pair[1] for pair in gathered_pairs]
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -375,27 +361,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
-        metadata = _shared.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
-        save = functools.partial(
-            formats.save,
-            self._state_dict_type,
-            path=path,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            local_metadata=metadata,
-            check_free_space=self._check_free_space,
-        )
-        background = self._background
-        if background is not None and background.active:
-            background.save(
-                checkpoint,
-                path,
-                lambda staged, gather, group: save(staged, gather=gather, process_group=group),
-                rank=self.global_rank,
-                gather=self._gather_objects,
-            )
-            return
-        save(checkpoint, gather=self._gather_objects)
+        metadata = _checkpoints.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -412,7 +379,6 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         super().on_train_start()
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
-            self._background.use_host_buffers(gaudi.host_staging_allocator(self.root_device.type))
 
     def _finish_background_saves(self) -> None:
         if self._background is None:
@@ -432,7 +398,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if weights_only is None:
             weights_only = _fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
-        return _shared.load_agreed(
+        return _checkpoints.load_agreed(
             self,
             path,
             model,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shutil
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from lightning_gaudi_fsdp.checkpoint.convert import describe
+from lightning_gaudi_fsdp.cli import main
 
 BLOCK = "common.Block"
 PARAMS = 3 * (16 * 16 + 16 + 16 + 16) + 17  # three blocks and the head of tests/scenarios/common.Net
@@ -36,6 +39,19 @@ def saved(tmp_path_factory):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``lightning-gaudi-fsdp ARGS`` run in this process (the command's ``main``: what it prints and the exit status
+    it returns); the command needs no process group, so only one case pays for a fresh interpreter
+    (``_cli_process``)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exited:  # argparse's usage errors
+            code = exited.code if isinstance(exited.code, int) else 1
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def _cli_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lightning_gaudi_fsdp", *args], capture_output=True, text=True, timeout=120
     )
@@ -115,7 +131,7 @@ def test_convert_to_sharded_then_load_on_two_ranks(saved, tmp_path, scenario, sr
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(saved, tmp_path):
-    out = _cli("inspect", str(tmp_path / "nope.ckpt"))
+    out = _cli_process("inspect", str(tmp_path / "nope.ckpt"))  # the installed command, in its own process
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0
     assert "nope.ckpt" in out.stderr

@@ -14,18 +14,23 @@ BLOCK = "common.Block"
 BOUND_S = 90  # far below the 30-minute default process-group timeout
 
 
-def _failing_run(scenario, fail: dict, timeout_s: float = 60, **extra):
+def _failing_run(
+    scenario, fail: dict, timeout_s: float = 60, door: str = "trainer", launcher: str = "lightning", **extra
+):
+    """A 2-rank run of 6 steps in which ``fail`` happens, through the Trainer or a Fabric loop (``door``), its ranks
+    started by Lightning's launcher or, torchrun-style, by the scenario pool (``launcher``)."""
     started = time.monotonic()
+    strategy = {"auto_wrap_policy": [BLOCK], "timeout": timeout_s}
+    if door == "fabric":
+        cfg = {"strategy": strategy, "fail": fail, "epochs": 2, **extra}
+    else:
+        cfg = {"strategy": strategy, "module": {"n_samples": 64, "fail": fail}, "max_steps": 6, **extra}
     run = scenario(
-        {
-            "strategy": {"auto_wrap_policy": [BLOCK], "timeout": timeout_s},
-            "module": {"n_samples": 64, "fail": fail},
-            "max_steps": 6,
-            **extra,
-        },
+        cfg,
+        script="fabric_loop.py" if door == "fabric" else "train.py",
         expect_ok=False,
         timeout=BOUND_S + 60,
-        launcher="lightning",  # these tests are about what happens under Lightning's own launcher
+        launcher=launcher,
     )
     elapsed = time.monotonic() - started
     assert run.proc.returncode != 0
@@ -34,16 +39,19 @@ def _failing_run(scenario, fail: dict, timeout_s: float = 60, **extra):
 
 
 @pytest.mark.parametrize(
-    ("rank", "where"),
+    ("rank", "where", "door"),
     [
-        (0, "training_step"),
-        pytest.param(1, "training_step", marks=pytest.mark.versions),
-        (0, "configure_model"),
-        (1, "configure_model"),
+        (0, "training_step", "trainer"),
+        pytest.param(1, "training_step", "trainer", marks=pytest.mark.versions),
+        (0, "configure_model", "trainer"),
+        (1, "configure_model", "trainer"),
+        (1, "training_step", "fabric"),  # the loop's step: the survivor reports from sys.excepthook
+        pytest.param(0, "training_step", "fabric", marks=pytest.mark.slow),
     ],
 )
-def test_a_rank_raising_stops_every_rank_with_its_error(scenario, where, rank):
-    run = _failing_run(scenario, {"where": where, "rank": rank, "step": 2 if where == "training_step" else 0})
+def test_a_rank_raising_stops_every_rank_with_its_error(scenario, where, rank, door):
+    fail = {"where": where, "rank": rank, "step": 2 if where == "training_step" else 0}
+    run = _failing_run(scenario, fail, door=door)
     assert f"RuntimeError: boom in {where} on rank {rank}" in run.proc.stderr
     if rank == 1:  # the survivor, failing in a collective, points at the rank that raised first
         assert f"lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom in {where} on rank 1" in (
@@ -70,14 +78,22 @@ def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
     assert not ckpt.exists()
 
 
-def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loads(scenario, tmp_path):
+@pytest.mark.parametrize("door", ["trainer", "fabric"])
+def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loads(scenario, tmp_path, door):
     ckpt = tmp_path / "last.ckpt"
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}
+    # the Trainer saves at step 2, the Fabric loop after its first epoch (step 3); rank 1 dies at step 4
+    if door == "fabric":
+        saving = {"save": str(ckpt), "save_after_epoch": 1}
+    else:
+        saving = {"save_at_step": 2, "save_path_in_loop": str(ckpt)}
     run = _failing_run(
         scenario,
         {"where": "training_step", "rank": 1, "step": 4, "kind": "sigkill"},
-        save_at_step=2,
-        save_path_in_loop=str(ckpt),
-        **{"strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local", "timeout": 60}},
+        door=door,
+        launcher="pool" if door == "fabric" else "lightning",  # Fabric: torchrun-style, ranks started apart
+        strategy=strategy,
+        **saving,
     )
     # The survivor names the lost rank (gloo's own message names only a socket address). Lightning's launcher also
     # watches its children every 5 s and SIGKILLs rank 0 once it sees one die, naming that child's rank: in the rare
@@ -85,7 +101,9 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     ours = "lightning_gaudi_fsdp: rank 1 of 2 stopped without reporting an error" in run.proc.stderr
     lightnings = re.search(r"\[rank: 1\] Child process with PID \d+ terminated with code -9", run.proc.stderr)
     assert ours or lightnings, run.proc.stderr[-3000:]
-    assert describe(ckpt)["global_step"] == 2
+    assert describe(ckpt)["global_step"] == (3 if door == "fabric" else 2)
+    if door == "fabric":
+        return  # Fabric resuming from each format: test_fabric.py
     resumed = scenario(
         {
             "strategy": {"auto_wrap_policy": [BLOCK], "state_dict_type": "local"},
@@ -106,18 +124,22 @@ def test_when_rank_0_is_killed_mid_training_the_rank_it_launched_goes_with_it(sc
     assert run.proc.returncode == -9
 
 
-@pytest.mark.parametrize("engine", [1, 2])
-def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario, engine):
+@pytest.mark.parametrize(
+    ("engine", "door"),
+    [(1, "trainer"), (2, "trainer"), (1, "fabric"), pytest.param(2, "fabric", marks=pytest.mark.slow)],
+)
+def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario, engine, door):
     started = time.monotonic()
+    cfg = {
+        "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
+        "strategy_rank1": {"auto_wrap_policy": None},
+    }
+    if door == "fabric":  # checked in fabric.setup_module
+        cfg.update(epochs=1)
+    else:
+        cfg.update(module={"n_samples": 64}, max_steps=2)
     run = scenario(
-        {
-            "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
-            "strategy_rank1": {"auto_wrap_policy": None},
-            "module": {"n_samples": 64},
-            "max_steps": 2,
-        },
-        expect_ok=False,
-        timeout=BOUND_S + 60,
+        cfg, script="fabric_loop.py" if door == "fabric" else "train.py", expect_ok=False, timeout=BOUND_S + 60
     )
     assert run.proc.returncode != 0
     assert time.monotonic() - started < BOUND_S

@@ -92,3 +92,53 @@ def test_async_save_stages_off_the_device_into_pinned_host_buffers():
     again = stager.stage({"state_dict": {"weight": weight}})["state_dict"]["weight"]
     assert again.data_ptr() == pointer  # the next save reuses the pinned buffer
     assert torch.equal(again, torch.arange(12.0).reshape(3, 4) + 1)
+
+
+# ------------------------------------------------------------------------------------------------- Lightning Fabric
+FABRIC = "fabric_loop.py"
+
+
+@ENGINES
+def test_fabric_loop_trains_on_two_cards_like_one_process(scenario, engine):
+    """The Fabric loop (accumulation under no_backward_sync, clipping by the global norm) on 2 cards over hccl, against
+    the same model trained on the whole global batch on the host CPU."""
+    strategy = {"auto_wrap_policy": [BLOCK], "fsdp_version": engine}
+    run = scenario({"accelerator": "hpu", "strategy": strategy, "reference": True, "clip_norm": 0.1}, script=FABRIC)
+    info, reference = run.rank(0), run.final()["reference"]
+    assert info["backend"] == "hccl"
+    assert info["device"].startswith("hpu")
+    assert info["all_reduce_mean"] == 1.5  # a SUM divided by the group size: HCCL has no AVG
+    assert info["losses"] == pytest.approx(reference["losses"], abs=1e-4)
+    assert "GaudiFSDPStrategy configuration:" in run.proc.stdout + run.proc.stderr
+
+
+@ENGINES
+@pytest.mark.parametrize("background", [False, True])
+def test_fabric_sharded_save_and_resume_on_hpu(scenario, tmp_path, engine, background):
+    strategy = {"auto_wrap_policy": [BLOCK], "fsdp_version": engine, "state_dict_type": "sharded"}
+    strategy["async_save"] = background
+    ckpt = tmp_path / "ckpt"
+    common = {"accelerator": "hpu", "strategy": strategy, "epochs": 2}
+    straight = scenario({**common, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC).final()
+    resumed = scenario({**common, "load": str(ckpt)}, script=FABRIC).final()
+    for key, value in straight["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], value)
+    assert resumed["scheduler"] == straight["scheduler"]
+
+
+def test_fabric_names_a_rank_that_raises_on_hpu(scenario):
+    run = scenario(
+        {
+            "accelerator": "hpu",
+            "strategy": {"auto_wrap_policy": [BLOCK], "timeout": 60},
+            "fail": {"rank": 1, "step": 2},
+            "epochs": 2,
+        },
+        script=FABRIC,
+        expect_ok=False,
+        timeout=150,
+    )
+    assert run.proc.returncode != 0
+    assert "lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom in training_step on rank 1" in (
+        run.proc.stderr
+    )

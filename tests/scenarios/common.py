@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +202,28 @@ def fill_init(module: nn.Module) -> None:
     with torch.no_grad():
         for p in module.parameters(recurse=False):
             p.fill_(0.125)
+
+
+class PeakSampler:
+    """Peak anonymous memory (``RssAnon``) of this process while active, sampled every 2 ms; pages of
+    memory-mapped files are the page cache's and are left out."""
+
+    def __init__(self) -> None:
+        self.base = status_bytes("RssAnon")
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, status_bytes("RssAnon"))
+            time.sleep(0.002)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status_bytes("RssAnon"))

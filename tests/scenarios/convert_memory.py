@@ -3,46 +3,60 @@ of memory-mapped checkpoint files are the kernel's page cache and are left out),
 
 from __future__ import annotations
 
-import threading
-import time
+import functools
+import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-from common import load_config, status_bytes, write_json
+from common import PeakSampler, load_config, write_json
 
 from lightning_gaudi_fsdp.checkpoint.convert import convert, describe
+from lightning_gaudi_fsdp.checkpoint.hf_export import export_hf
 
 
-class PeakSampler:
-    def __init__(self) -> None:
-        self.base = status_bytes("RssAnon")
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+def measure_export(src: str, dst: str, kwargs: dict) -> dict:
+    model_bytes = describe(src)["bytes"]
+    with PeakSampler() as sampler:
+        export_hf(src, dst, **kwargs)
+    files = list(Path(dst).glob("*.safetensors"))
+    return {
+        "model_bytes": model_bytes,
+        "largest_file": max(f.stat().st_size for f in files),
+        "files": len(files),
+        "peak_added": sampler.peak - sampler.base,
+    }
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status_bytes("RssAnon"))
-            time.sleep(0.002)
 
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, status_bytes("RssAnon"))
+def in_fresh_process(measure: Callable[[], dict], out: Path) -> dict:
+    """Run ``measure`` in a child forked from this process before it allocated anything: memory an earlier
+    measurement freed stays resident in this process's heap and would hide what a later one allocates."""
+    result = out / ".measured.json"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            result.write_text(json.dumps(measure()))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError("the measuring child process failed")
+    return json.loads(result.read_text())
 
 
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     results = {}
-    for src, dst, to in cfg["conversions"]:
+    for src, dst, to in cfg.get("conversions", []):
         model_bytes = describe(src)["bytes"]
         with PeakSampler() as sampler:
             convert(src, dst, to)
         results[f"{Path(src).name}->{to}"] = {"model_bytes": model_bytes, "peak_added": sampler.peak - sampler.base}
+    for src, dst, kwargs in cfg.get("exports", []):  # export_hf streams: about one output file in memory
+        results[f"{Path(src).name}->hf"] = in_fresh_process(functools.partial(measure_export, src, dst, kwargs), out)
     write_json(out, "memory.json", results)
 
 

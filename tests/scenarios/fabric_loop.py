@@ -6,10 +6,19 @@ Each optimizer step takes one global batch of ``GLOBAL_BATCH`` samples in ``MICR
 accumulation under ``fabric.no_backward_sync``); rank r takes rows r, r + N, ... of each micro-batch. Gradients are
 clipped by value, then by norm. Rank 0 also trains a plain copy of the initial model on the whole global batch in
 the same process (``reference``) for comparison.
+
+Other keys: ``fail`` ({rank, step, kind}: that rank raises, or SIGKILLs itself with ``kind="sigkill"``, at that
+global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each checkpoint write first sleeps
+that many seconds), ``exit_normally`` (end after training without teardown or ``os._exit``), ``raw_checks`` (after
+training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)`` round trips; results under ``raw`` in
+the rank's JSON).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +26,7 @@ import lightning as L
 import torch
 from common import Module, RandomRegression, load_config, write_json
 from torch import nn
-from train import leave
+from train import arm_write_probes, leave
 
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
@@ -51,21 +60,110 @@ def clip(cfg: dict[str, Any], fabric: L.Fabric | None, model: Any, optimizer: An
     return float(fabric.clip_gradients(model, optimizer, max_norm=norm)) if norm else None
 
 
+def device_type(model: Any) -> str:
+    return next(model.parameters()).device.type
+
+
 def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model._forward_module, "full", "cpu")
+    state = formats.model_state_dict(model._forward_module, "full", device_type(model))
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
+
+
+def raw_checks(
+    fabric: L.Fabric, model: Any, optimizer: Any, out: Path, ckpt: str, at_load: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """After training: ``fabric.load_raw`` from ``ckpt`` (any format; ``at_load``: the weights it holds, on rank 0)
+    and from a plain ``torch.save`` file, and, with a full-format strategy, ``fabric.save(filter=...)``. What every
+    rank saw."""
+    rank, fmt = fabric.global_rank, fabric.strategy._state_dict_type
+    seen: dict[str, Any] = {}
+    trained = full_weights(model, rank)
+    fabric.seed_everything(11)
+    other = fabric.setup_module(Module(depth=3))  # a second model set up by Fabric
+    other_optimizer = fabric.setup_optimizers(make_optimizer(other.parameters())[0])
+
+    if fmt == "full":  # first, while the second model still holds its own initial weights
+        filtered = str(out / "filtered.ckpt")
+        fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
+        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
+        before = full_weights(other, rank)
+        try:
+            fabric.load(filtered, {"model": other})
+        except Exception as err:
+            seen["strict_error"] = f"{type(err).__name__}: {err}"
+        fabric.load(filtered, {"model": other}, strict=False)
+        after = full_weights(other, rank)
+        if rank == 0:
+            seen["partial"] = {
+                k: "trained" if torch.equal(v, trained[k]) else "kept" if torch.equal(v, before[k]) else "other"
+                for k, v in after.items()
+            }
+
+    # a checkpoint of this run into the set-up model and into a plain one that was never set up
+    fabric.load_raw(ckpt, other)
+    seen["checkpoint_into_set_up"] = _equal(full_weights(other, rank), at_load)
+    plain = Module(depth=3)
+    fabric.load_raw(ckpt, plain)
+    seen["checkpoint_into_plain"] = rank != 0 or _equal(_weights(plain), at_load)
+
+    # a plain torch.save of the model's state dict, into both
+    plain_file = out / "plain.pt"
+    full = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    if rank == 0:
+        torch.save(full, plain_file)
+    fabric.barrier()
+    fabric.load_raw(plain_file, other)
+    seen["raw_into_set_up"] = _equal(full_weights(other, rank), trained)
+    plain = Module(depth=3)
+    fabric.load_raw(plain_file, plain)
+    seen["raw_into_plain"] = rank != 0 or _equal(_weights(plain), trained)
+
+    # an optimizer alone: from a full checkpoint, refused for the others with what to do instead
+    try:
+        fabric.load_raw(ckpt, other_optimizer)
+        loaded = formats.optimizer_state_dict(
+            other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
+        )
+        if rank == 0:
+            saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]
+            torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
+    except Exception as err:
+        seen["optimizer_error"] = f"{type(err).__name__}: {err}"
+    try:
+        fabric.load_raw(ckpt + ".missing", other_optimizer)
+    except Exception as err:
+        seen["missing_error"] = f"{type(err).__name__}: {err}"
+    return seen
+
+
+def _weights(plain: Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in plain.net.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equal, same keys (both empty off rank 0)."""
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
 
 
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
-    strategy: Any = cfg.get("strategy_name") or GaudiFSDPStrategy(**cfg.get("strategy", {}))
+    if cfg.get("slow_writes"):
+        arm_write_probes(out, cfg["slow_writes"], 0, False)
+    strategy_cfg = cfg.get("strategy", {})
+    if cfg.get("strategy_rank1") and int(os.environ.get("LOCAL_RANK", "0")) == 1:
+        strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
+    strategy: Any = cfg.get("strategy_name") or GaudiFSDPStrategy(**strategy_cfg)
     fabric = L.Fabric(
-        accelerator="cpu", devices=cfg.get("devices", 2), strategy=strategy, precision=cfg.get("precision", "32-true")
+        accelerator=cfg.get("accelerator", "cpu"),
+        devices=cfg.get("devices", 2),
+        strategy=strategy,
+        precision=cfg.get("precision", "32-true"),
     )
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
+    fail = cfg.get("fail")
     fabric.seed_everything(7)
     with fabric.init_module(empty_init=True):
         module = Module(depth=3)
@@ -101,9 +199,12 @@ def main() -> None:
         info["remainder_keys"] = sorted(remainder)
         info["loaded"] = {k: state[k] for k in ("epoch", "global_step") if k in state}
         info["lr_after_load"] = optimizer.param_groups[0]["lr"]
+        at_load = full_weights(model, rank)
         loaded = {  # collectives: every rank
-            "weights": full_weights(model, rank),
-            "optimizer": formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank),
+            "weights": at_load,
+            "optimizer": formats.optimizer_state_dict(
+                model._forward_module, optimizer.optimizer, "full", device_type(model), rank
+            ),
             "scheduler": scheduler.state_dict(),
         }
         if rank == 0:
@@ -118,12 +219,17 @@ def main() -> None:
     losses, reference_losses, norms, reference_norms = [], [], [], []
     for epoch in range(state.get("epoch", 0), cfg.get("epochs", 2)):
         for x, y in batches(epoch):
-            total = torch.zeros(())
+            if fail and fail["rank"] == rank and fail["step"] == state.get("global_step", 0):
+                if fail.get("kind") == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"boom in training_step on rank {rank}")
+            total = torch.zeros((), device=fabric.device)
             micro = GLOBAL_BATCH // MICRO
             for m in range(MICRO):
                 xm, ym = x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]
                 with fabric.no_backward_sync(model, enabled=m < MICRO - 1):
-                    loss = nn.functional.mse_loss(model(xm[rank::world]), ym[rank::world]) / MICRO
+                    xr, yr = fabric.to_device((xm[rank::world], ym[rank::world]))
+                    loss = nn.functional.mse_loss(model(xr), yr) / MICRO
                     fabric.backward(loss)
                 total += loss.detach()
             norms.append(clip(cfg, fabric, model, optimizer))
@@ -142,12 +248,32 @@ def main() -> None:
                 reference_losses.append(float(loss))
         state["epoch"] = epoch + 1
         if cfg.get("save") and state["epoch"] == cfg.get("save_after_epoch", 1):
+            started = time.monotonic()
             fabric.save(cfg["save"], state)
+            background = fabric.strategy._background
+            info["save"] = {
+                "seconds": time.monotonic() - started,
+                "in_flight": background is not None and background.in_flight,
+                "committed_on_return": Path(cfg["save"]).exists(),
+            }
+
+    if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save
+        write_json(out, f"rank{rank}.json", info)
+        return
+    if cfg.get("raw_checks"):
+        info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)
+    fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
+    info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
 
     # collectives
-    info["all_reduce_sum"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum"))
-    info["all_reduce_mean"] = float(fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="mean"))
-    info["all_gather"] = fabric.all_gather(torch.tensor([rank])).reshape(-1).tolist()
+    def mine() -> torch.Tensor:
+        return torch.tensor(float(rank + 1), device=fabric.device)
+
+    info["all_reduce_sum"] = float(fabric.all_reduce(mine(), reduce_op="sum"))
+    info["all_reduce_mean"] = float(fabric.all_reduce(mine(), reduce_op="mean"))
+    info["all_gather"] = fabric.all_gather(torch.tensor([rank], device=fabric.device)).reshape(-1).tolist()
+    info["backend"] = fabric.strategy.process_group_backend
+    info["device"] = str(fabric.device)
     info["broadcast"] = fabric.broadcast({"from": rank}, src=0)
     fabric.barrier()
     info.update(
@@ -157,7 +283,7 @@ def main() -> None:
         final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
     )
     final = full_weights(model, rank)
-    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", "cpu", rank)
+    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
     if rank == 0:
         torch.save(
             {

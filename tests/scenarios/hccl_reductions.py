@@ -84,6 +84,17 @@ def main() -> None:
     result["lightning_mean_refused"] = _refused(lambda: FSDPStrategy.reduce(strategy, value.clone())) is not None
     result["strategy_mean"] = strategy.reduce(value.clone(), reduce_op="mean").item()
     result["strategy_sum"] = strategy.reduce(value.clone(), reduce_op="sum").item()
+    # Fabric's door: fabric.all_reduce goes to the strategy's all_reduce
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+
+    from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy as FabricStrategy
+
+    fabric = FabricStrategy()
+    fabric._process_group_backend = "hccl"
+    result["fabric_lightning_mean_refused"] = (
+        _refused(lambda: FabricFSDPStrategy.all_reduce(fabric, value.clone(), reduce_op="mean")) is not None
+    )
+    result["fabric_mean"] = fabric.all_reduce(value.clone(), reduce_op="mean").item()
     result["force_sum_available"] = _compat.FSDP2_FORCE_SUM_REDUCTION
     reference = _reference_grads()
     if _compat.FSDP2_FORCE_SUM_REDUCTION:  # the FSDP2 engine needs torch >= 2.8 (refused before, tested apart)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed
 
+from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import storage
 from lightning_gaudi_fsdp.checkpoint.staging import HostStager
 
@@ -143,9 +144,10 @@ class BackgroundSaver:
         failures = storage.merge_reports(reports)
         if failures:
             failed = storage.CheckpointSaveError(job.path, failures, len(reports))
-            failed.add_note(
+            _compat.add_note(
+                failed,
                 "This checkpoint was being written in the background (async_save=True): its failure is raised at the "
-                "next save or at the end of fit."
+                "next save or at the end of fit.",
             )
             raise failed from error
 

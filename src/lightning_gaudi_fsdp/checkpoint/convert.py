@@ -9,6 +9,7 @@ checkpoint keyed by id without recorded names, or a local one written by an olde
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -56,12 +57,15 @@ def _tensor_summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
 
 
 def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
+    from lightning_gaudi_fsdp.checkpoint.hf_export import HF_KEY
+
     engine = rest.get(ENGINE_KEY)
     return {
         "engine": f"FSDP{engine}" if engine in (1, 2) else "unknown (not written by lightning-gaudi-fsdp)",
         "epoch": rest.get("epoch"),
         "global_step": rest.get("global_step"),
         "lightning_version": rest.get("pytorch-lightning_version"),
+        "hf_model": json.loads(rest[HF_KEY]) if isinstance(rest.get(HF_KEY), str) else None,
     }
 
 

@@ -54,7 +54,7 @@ def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
 def check_state_keys(
     path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], strict: bool
 ) -> None:
-    missing = sorted(set(expected) - set(saved))
+    missing = sorted(set(expected) - set(saved)) if strict else []  # strict=False loads a partial state
     unexpected = sorted(set(saved) - set(expected)) if strict else []
     wrong = sorted(k for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
     problems = []
@@ -155,10 +155,12 @@ def check_load(
     device_type: str,
     strict: bool,
     weights_only: bool = True,
+    raw: bool = False,
 ) -> PendingLoad:
     """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
     Raises :class:`CheckpointError`; nothing in ``model`` is changed. Every file is unpickled with ``weights_only``
-    (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted.
+    (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. ``raw``: a single file may also be
+    a plain model state dict (``torch.save(model.state_dict())``), not only a Lightning checkpoint.
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
@@ -172,9 +174,7 @@ def check_load(
             current = model.state_dict()
     if fmt == "full":
         checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
-        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            raise CheckpointError(path, "it has no 'state_dict' entry; it is not a Lightning checkpoint")
-        state = checkpoint.pop("state_dict")
+        state, checkpoint = split_model_state(path, checkpoint, raw)
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         check_state_keys(path, saved, expected_full_shapes(model), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
@@ -194,6 +194,68 @@ def check_load(
     return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
 
 
+def split_model_state(path: Path, checkpoint: Any, raw: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model state and the rest of a single-file checkpoint: a Lightning checkpoint's ``state_dict``, or with
+    ``raw`` the whole file when it is a plain state dict (names to tensors)."""
+    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
+        return checkpoint.pop("state_dict"), checkpoint
+    if raw and _is_plain_state_dict(checkpoint):
+        return checkpoint, {}
+    what = "a Lightning checkpoint nor a model state dict" if raw else "a Lightning checkpoint"
+    raise CheckpointError(path, f"it has no 'state_dict' entry; it is not {what}")
+
+
+def _is_plain_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and all(isinstance(k, str) for k in obj)
+        and any(isinstance(v, torch.Tensor) for v in obj.values())
+    )
+
+
+def read_full_model_state(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """The full model state of any checkpoint (every format, read offline by this process alone) or of a plain
+    state-dict file: what an unsharded model loads."""
+    from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
+
+    path = Path(path)
+    if detect_format(path) == "full":
+        return split_model_state(path, load_file(path, path, "the checkpoint file", weights_only=weights_only), True)[0]
+    return load_full_state(path, weights_only=weights_only)[0]["state_dict"]
+
+
+def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """The optimizer state of a single file: the one optimizer of a full Lightning checkpoint, or a plain
+    ``optimizer.state_dict()`` (keyed by parameter id, or by name as FSDP writes it)."""
+    path = Path(path)
+    if detect_format(path) != "full":
+        raise CheckpointError(
+            path,
+            "an optimizer alone loads from a single file (a full checkpoint or torch.save(optimizer.state_dict())); "
+            "load sharded and local checkpoints with their model: fabric.load(path, {'model': model, "
+            "'optimizer': optimizer})",
+        )
+    checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
+    if isinstance(checkpoint, dict) and "optimizer_states" in checkpoint:
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise CheckpointError(path, f"it holds {len(states)} optimizer states; which one to load is ambiguous")
+        return states[0]
+    if isinstance(checkpoint, dict) and {"state", "param_groups"} <= set(checkpoint):
+        return checkpoint
+    raise CheckpointError(path, "it holds no optimizer state ('optimizer_states', or 'state' and 'param_groups')")
+
+
+def load_full_optimizer(model: Module, optimizer: Optimizer, state: dict[str, Any], device_type: str) -> None:
+    """Load one full optimizer state (as in a full checkpoint) into ``optimizer`` of the sharded ``model``."""
+    if not fsdp2.is_fsdp2(model):
+        _load_full_optimizers(model, [optimizer], [state], device_type)
+    elif not state.get("state"):
+        optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
+    else:
+        fsdp2_state.load_full_optimizer(model, optimizer, state)
+
+
 def apply_load(
     pending: PendingLoad,
     model: Module,
@@ -207,7 +269,7 @@ def apply_load(
     path, rest = pending.path, pending.rest
     pending.optimizer_groups = rest.pop(OPTIMIZER_GROUPS_KEY, [])  # ours, not Lightning's: never handed back
     if fsdp2.is_fsdp2(model):
-        _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers)
+        _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers, device_type)
     elif pending.fmt == "full":
         with state_dict_context(model, "full", device_type, rank0_only=False):
             model.load_state_dict(pending.model_state, strict=strict)
@@ -226,7 +288,12 @@ def apply_load(
 
 
 def _apply_fsdp2_load(
-    pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
+    pending: PendingLoad,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    load_optimizers: bool,
+    device_type: str,
 ) -> None:
     path = pending.path
     if pending.fmt == "full":
@@ -248,10 +315,10 @@ def _apply_fsdp2_load(
         return
     _check_optimizer_count(path, pending.optimizer_states, optimizers)
     for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
-        if not state.get("state"):
+        if pending.fmt == "full":
+            load_full_optimizer(model, optimizer, state, device_type)
+        elif not state.get("state"):
             optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
-        elif pending.fmt == "full":
-            fsdp2_state.load_full_optimizer(model, optimizer, state)
         else:
             fsdp2_state.load_local_optimizer(model, optimizer, state)
 

@@ -1,0 +1,131 @@
+"""What the two front doors share about checkpoints: the extra entries they record, saving (before returning or in
+the background), and loading only once every rank has checked the checkpoint."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp._shared import gather_objects
+from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+
+T = TypeVar("T")
+
+
+def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:
+    """Record the engine, where a Hugging Face model sits (and its PEFT configuration), and, for full checkpoints
+    with optimizer state, the parameter names in ``checkpoint``; returns the local-format metadata (None for the
+    other formats)."""
+    from lightning_gaudi_fsdp.checkpoint import hf_export
+
+    checkpoint[formats.ENGINE_KEY] = door._fsdp_version
+    record = hf_export.hf_model_record(model)
+    if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
+        checkpoint[hf_export.HF_KEY] = record
+    if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
+        checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
+    if door._state_dict_type != "local":
+        return None
+    return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
+
+
+def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSaver | None:
+    """``async_save``: the saver both doors hand their checkpoints to (``timeout``: of its process group), or None."""
+    return BackgroundSaver(timeout) if options.resolve_bool(async_save, "async_save") else None
+
+
+def save_checkpoint(door: Any, checkpoint: dict[str, Any], path: Path, local_metadata: Any) -> None:
+    """Write ``checkpoint`` in the door's ``state_dict_type`` with the commit protocol; in the background when the
+    door's saver is active (see :mod:`.checkpoint.background`), else before returning."""
+    save = functools.partial(
+        formats.save,
+        door._state_dict_type,
+        path=path,
+        rank=door.global_rank,
+        world_size=door.world_size,
+        local_metadata=local_metadata,
+        check_free_space=door._check_free_space,
+    )
+
+    def gather(obj: Any) -> list[Any]:
+        return gather_objects(obj, door.world_size)
+
+    background = door._background
+    if background is not None and background.active:
+        # staged off a Gaudi device into pinned host memory (the same allocator each time keeps the buffers)
+        background.use_host_buffers(gaudi.host_staging_allocator(door.root_device.type))
+        background.save(
+            checkpoint,
+            path,
+            lambda staged, gather_in_thread, group: save(staged, gather=gather_in_thread, process_group=group),
+            rank=door.global_rank,
+            gather=gather,
+        )
+        return
+    save(checkpoint, gather=gather)
+
+
+def wait_for_saves(door: Any, waiting: str) -> None:
+    """Wait for the door's background save in flight, raising its failure on every rank (every rank calls this)."""
+    if door._background is not None:
+        door._background.wait(
+            rank=door.global_rank, gather=lambda obj: gather_objects(obj, door.world_size), waiting=waiting
+        )
+
+
+def agreed(door: Any, path: Path, read: Callable[[], T]) -> T:
+    """``read()`` on every rank; if it raised :class:`~.formats.CheckpointError` on any rank, the same error (naming
+    the first rank that reported it) is raised on every rank, so that none goes on to a collective alone."""
+    result, error = None, None
+    try:
+        result = read()
+    except formats.CheckpointError as err:
+        error = err.problem
+    errors = gather_objects(error, door.world_size)
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    if failed:
+        rank, problem = failed[0]
+        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})")
+    return result  # type: ignore[return-value]
+
+
+def load_agreed(
+    door: Any,
+    path: Path,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool,
+    load_optimizers: bool,
+    raw: bool = False,
+) -> dict[str, Any]:
+    """Check ``path`` against ``model`` on every rank; only when every rank passed, load it (model, optimizers).
+    Returns the rest of the checkpoint. Any rank's problem raises :class:`~.formats.CheckpointError` on every rank
+    before a weight changes: nobody waits in a collective alone. ``raw``: see :func:`.loading.check_load`."""
+    device_type = door.root_device.type
+    pending = agreed(
+        door,
+        path,
+        lambda: loading.check_load(
+            path,
+            model,
+            world_size=door.world_size,
+            rank=door.global_rank,
+            device_type=device_type,
+            strict=strict,
+            weights_only=weights_only,
+            raw=raw,
+        ),
+    )
+    return loading.apply_load(
+        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
+    )
