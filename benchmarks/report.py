@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("fsdp1", "fsdp2")
+FORMATS = ("full", "sharded", "local")
 _COMPARE = {"<=": operator.le, ">=": operator.ge}
 
 
@@ -74,6 +75,12 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             target = (">=", t["throughput_vs_disk"]) if fmt != "full" else None
             values = per_engine(lambda r, f=fmt: r[f]["throughput_vs_disk"])
             rows.append(_row(f"{fmt} save throughput / plain fsync'd writes", values, target))
+        for fmt in ("sharded", "local", "full"):
+            target = ("<=", t["async_blocked_vs_sync"]) if fmt != "full" else None
+            values = per_engine(lambda r, f=fmt: r[f]["async"]["blocked_vs_sync"])
+            rows.append(_row(f"{fmt} save: blocked time, async / sync", values, target))
+        staging = per_engine(lambda r: max(r[f]["async"]["staging_bytes"] / r[f]["bytes"] for f in FORMATS))
+        rows.append(_row("rank 0 host staging buffers of an async save / checkpoint bytes (largest)", staging, None))
         for fmt in ("full", "sharded", "local"):
             rows.append(_row(f"{fmt} load", per_engine(lambda r, f=fmt: r[f]["load_s"]), None, "s"))
         torch_load = per_engine(lambda r: r["torch_save"]["load_s"])
@@ -136,12 +143,16 @@ def print_tables(results: dict[str, Any]) -> None:
         for engine in (e for e in ENGINES if e in c):
             r = c[engine]
             print(f"\n== {engine.upper()} checkpoints ({r['state_bytes'] / 2**30:.2f} GiB of weights + AdamW state)")
-            print(f"{'format':12} {'save s':>9} {'load s':>9} {'MiB':>9} {'vs disk':>9}")
-            for fmt in ("full", "sharded", "local"):
-                row = r[fmt]
+            print(
+                f"{'format':12} {'save s':>9} {'load s':>9} {'MiB':>9} {'vs disk':>9} {'async blocked s':>16} "
+                f"{'async total s':>14} {'staging MiB':>12}"
+            )
+            for fmt in FORMATS:
+                row, background = r[fmt], r[fmt]["async"]
                 print(
                     f"{fmt:12} {row['save_s']:9.2f} {row['load_s']:9.2f} {row['bytes'] / 2**20:9.1f} "
-                    f"{row['throughput_vs_disk']:9.2f}"
+                    f"{row['throughput_vs_disk']:9.2f} {background['blocked_s']:16.2f} {background['save_s']:14.2f} "
+                    f"{background['staging_bytes'] / 2**20:12.1f}"
                 )
             base = r["torch_save"]
             print(f"{'torch.save':12} {base['save_s']:9.2f} {base['load_s']:9.2f} {base['bytes'] / 2**20:9.1f}")

@@ -33,6 +33,7 @@ import raw  # noqa: E402
 from models import batch, build, loss_fn  # noqa: E402
 
 FSDP_VERSION = {"fsdp1": 1, "fsdp2": 2}
+FORMATS = ("full", "sharded", "local")
 
 
 def _write(cfg: dict[str, Any], result: dict[str, Any]) -> None:
@@ -162,11 +163,16 @@ def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
     out = Path(cfg["dir"])
     trainer = _trainer(cfg, max_steps=1)
     trainer.fit(_module(cfg))  # one step, so AdamW holds its moments
+    from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+
     result: dict[str, Any] = {name: [] for name in ("full", "sharded", "local", "torch_save", "disk")}
+    result["async"] = {fmt: [] for fmt in FORMATS}
+    savers = {fmt: BackgroundSaver() for fmt in FORMATS}  # one per format: its host buffers are reused across rounds
     state: dict[str, Any] | None = None
     for round_ in range(cfg.get("rounds", 1)):
-        for fmt in ("full", "sharded", "local"):
+        for fmt in FORMATS:
             result[fmt].append(_save_and_load(trainer, fmt, out / f"ckpt-{fmt}", cfg, profile=round_ == 0))
+            result["async"][fmt].append(_async_save(trainer, fmt, out / f"ckpt-{fmt}-async", savers[fmt]))
         if state is None:
             state = _full_state(trainer)  # collective; rank 0 gets the state, the others an empty one
         if rank == 0:
@@ -178,14 +184,10 @@ def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
 
 
 def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], profile: bool) -> dict[str, Any]:
-    import shutil
-
     strategy = trainer.strategy
     strategy._state_dict_type = fmt
-    if trainer.global_rank == 0 and path.is_dir():
-        shutil.rmtree(path)
-    elif trainer.global_rank == 0 and path.exists():
-        path.unlink()
+    if trainer.global_rank == 0:
+        _remove(path)
     profile = profile and os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
     _reset_rss_peak()
     before = _status_bytes("VmRSS")
@@ -205,6 +207,36 @@ def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], prof
     peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
     load_s = _sync_time(lambda: strategy.load_checkpoint(path))
     return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any]:
+    """The same save with ``async_save=True``: how long ``save_checkpoint`` blocks (building the state dicts and
+    staging them into host buffers, every rank, as the training loop would wait) and how long until it committed."""
+    strategy = trainer.strategy
+    strategy._state_dict_type = fmt
+    if trainer.global_rank == 0:
+        _remove(path)
+    strategy._background, saver.active = saver, True
+    try:
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.save_checkpoint(path)  # ends with Lightning's barrier: the slowest rank's blocked time
+        blocked = time.perf_counter() - start
+        saver.wait(rank=trainer.global_rank, gather=strategy._gather_objects)
+        dist.barrier()
+        total = time.perf_counter() - start
+    finally:
+        strategy._background, saver.active = None, False
+    return {"blocked_s": blocked, "save_s": total, "bytes": _dir_bytes(path), "staging_bytes": saver._stager.nbytes}
 
 
 def _full_state(trainer: Any) -> dict[str, Any]:

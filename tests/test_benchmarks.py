@@ -45,6 +45,10 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
         for fmt in ("full", "sharded", "local"):
             assert checkpoint[engine][fmt]["bytes"] > 0
             assert checkpoint[engine][fmt]["save_s"] > 0
+            background = checkpoint[engine][fmt]["async"]  # the same save with async_save=True, in the same round
+            assert 0 < background["blocked_s"] <= background["save_s"]
+            # the staging buffers hold rank 0's part of the checkpoint's tensors: all of them (full) or its shard
+            assert 0 < background["staging_bytes"] <= checkpoint[engine][fmt]["bytes"]
         assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
 
     summary = {row["measurement"]: row for row in results["summary"]}
@@ -52,9 +56,13 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
     assert len(both) >= 10
     assert summary["full save / torch.save"]["target"] == "<= 1.5"
     assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
+    for fmt in ("sharded", "local"):
+        row = summary[f"{fmt} save: blocked time, async / sync"]
+        assert row["target"] == "<= 0.1"
+        assert all(row[engine] > 0 for engine in ENGINES)
 
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for text in ("ratio", "vs disk", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
+    for text in ("ratio", "vs disk", "async blocked s", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
         assert text in proc.stdout
 
 

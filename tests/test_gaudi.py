@@ -89,6 +89,20 @@ def test_import_hccl_registers_the_backend(fake_gaudi):
     assert "hccl" in dist.Backend.backend_list
 
 
+def test_checkpoints_stage_into_pinned_host_memory_only_on_gaudi(fake_gaudi, monkeypatch):
+    from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+
+    assert gaudi.host_staging_allocator("cpu") is None  # on a CPU run nothing is pinned
+    allocate = gaudi.host_staging_allocator("hpu")
+    assert allocate is not None
+    assert gaudi.host_staging_allocator("hpu") is allocate  # the same one each fit: the buffers are kept
+    monkeypatch.setenv("FAKE_HPU_DEVICES", "0")
+    assert gaudi.host_staging_allocator("hpu") is None  # the bridge sees no device
+    saver = BackgroundSaver()
+    saver.use_host_buffers(allocate)
+    assert saver._stager._allocate is allocate
+
+
 def test_launch_environment(monkeypatch):
     monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "")
     assert gaudi.launch_environment(None) == {"PT_HPU_LAZY_MODE": "0"}

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_gaudi_fsdp import _report, options
+from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._shared import gather_objects
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
@@ -60,6 +60,8 @@ def save_checkpoint(door: Any, checkpoint: dict[str, Any], path: Path, local_met
 
     background = door._background
     if background is not None and background.active:
+        # staged off a Gaudi device into pinned host memory (the same allocator each time keeps the buffers)
+        background.use_host_buffers(gaudi.host_staging_allocator(door.root_device.type))
         background.save(
             checkpoint,
             path,

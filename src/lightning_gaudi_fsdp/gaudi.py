@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -136,6 +136,20 @@ def current_device() -> torch.device:
     hpu = _hpu_module()
     index = int(hpu.current_device()) if hpu is not None else 0
     return torch.device("hpu", index)
+
+
+def host_staging_allocator(device_type: str) -> Callable[[torch.Size, torch.dtype], torch.Tensor] | None:
+    """How to allocate host buffers that checkpoints are staged into from ``device_type``: page-locked memory on Gaudi
+    once the bridge is loaded (device-to-host copies into it run at DMA speed), ``None`` (ordinary memory) elsewhere;
+    on a CPU run nothing is pinned."""
+    if device_type != "hpu" or not is_available():
+        return None
+    return _pinned_empty
+
+
+def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    # pin_memory=True pins for the current accelerator, which the loaded bridge makes the HPU.
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
 def launch_environment(eager_pipeline: bool | None) -> dict[str, str]:

@@ -65,6 +65,31 @@ def test_staged_checkpoint_does_not_change_with_training_and_reuses_its_buffers(
     assert stager.nbytes == 0
 
 
+def test_staging_buffers_come_from_the_allocator_given_and_are_reused():
+    made = []
+
+    def allocate(shape, dtype):  # stands for page-locked memory on an accelerator
+        made.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    stager, checkpoint = HostStager(), _checkpoint()
+    stager.stage(checkpoint)
+    stager.use(allocate)  # buffers made otherwise are dropped
+    assert stager.nbytes == 0
+    staged = stager.stage(checkpoint)
+    # weight (and its tie), bias, step, exp_avg and the loop's tensor: every buffer from the allocator
+    assert sorted(made, key=str) == sorted(
+        [((2, 3), torch.float32)] * 2 + [((3,), torch.float32), ((), torch.float32), ((1,), torch.float32)],
+        key=str,
+    )
+    assert torch.equal(staged["state_dict"]["weight"], torch.arange(6.0).reshape(2, 3))
+    stager.stage(checkpoint)
+    assert len(made) == 5  # the next save reuses them
+    stager.use(allocate)  # the same allocator again keeps them
+    stager.stage(checkpoint)
+    assert len(made) == 5
+
+
 class _SlowWrite:
     """A write that waits until the test lets it go, recording what it saw."""
 

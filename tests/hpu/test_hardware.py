@@ -76,6 +76,24 @@ def test_compile_uses_hpu_backend(scenario, engine):
     assert run.rank(0)["dynamo_frames_ok"] > 0
 
 
+def test_async_save_stages_off_the_device_into_pinned_host_buffers():
+    from lightning_gaudi_fsdp import gaudi
+    from lightning_gaudi_fsdp.checkpoint.staging import HostStager
+
+    device = gaudi.current_device()
+    weight = torch.arange(12.0, device=device).reshape(3, 4)
+    stager = HostStager(gaudi.host_staging_allocator(device.type))
+    staged = stager.stage({"state_dict": {"weight": weight}})["state_dict"]["weight"]
+    assert staged.device.type == "cpu"
+    assert staged.is_pinned()
+    assert torch.equal(staged, torch.arange(12.0).reshape(3, 4))
+    pointer = staged.data_ptr()
+    weight.add_(1)
+    again = stager.stage({"state_dict": {"weight": weight}})["state_dict"]["weight"]
+    assert again.data_ptr() == pointer  # the next save reuses the pinned buffer
+    assert torch.equal(again, torch.arange(12.0).reshape(3, 4) + 1)
+
+
 # ------------------------------------------------------------------------------------------------- Lightning Fabric
 FABRIC = "fabric_loop.py"
 

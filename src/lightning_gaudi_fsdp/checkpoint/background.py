@@ -64,6 +64,7 @@ class BackgroundSaver:
     def __init__(self, timeout: timedelta | None = None) -> None:
         self._timeout = timeout
         self._stager = HostStager()
+        self.use_host_buffers = self._stager.use  # who allocates the staging buffers (see HostStager.use)
         self._lock = threading.Lock()
         self._job: _Job | None = None
         self._group: Any = None

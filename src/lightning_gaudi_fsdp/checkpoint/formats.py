@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
-from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
+from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
 
 CheckpointFormat = Literal["full", "sharded", "local"]
 SHARDED_METADATA = "meta.pt"  # Lightning's name: a folder with it is a sharded checkpoint to Lightning too
@@ -120,18 +120,33 @@ def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> 
     """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``)."""
     if fsdp2.is_fsdp2(model):
         return fsdp2_state.model_state_dict(model, fmt)
+    if fmt == "sharded" and fsdp1_state.supported(model):
+        # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
+        return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
+    if fmt == "full" and fsdp1_state.supports_full(model):
+        # Each parameter's pieces sent straight to rank 0, no all-gather on every rank.
+        return fsdp1_state.full_model_state_dict(model, _local_state(model, device_type, flat=False))
+    if fmt == "local":
+        return _local_state(model, device_type, flat=True)
     with state_dict_context(model, fmt, device_type):
+        return model.state_dict()
+
+
+def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, Any]:
+    """The local state dict: each rank's flat-parameter shard (with ``flat``) and every entry FSDP does not manage
+    (buffers, ignored parameters). Tensors are moved to the CPU, not copied there: a synchronous save writes them
+    before training goes on, an asynchronous one stages them into its own buffers first."""
+    with state_dict_context(model, "local", device_type):
         state = model.state_dict()
-    if fmt != "local":
-        return state
     managed = _managed_names(model)
     local: dict[str, Any] = {}
     for key, value in state.items():
         if key.endswith(FLAT_PARAM):
-            shards = value.local_shards()
-            local[key] = shards[0].tensor.detach().to("cpu", copy=True) if shards else torch.empty(0)
+            if flat:
+                shards = value.local_shards()
+                local[key] = shards[0].tensor.detach().to("cpu") if shards else torch.empty(0)
         elif key not in managed:
-            local[key] = value.detach().to("cpu", copy=True)
+            local[key] = value.detach().to("cpu")
     return local
 
 
@@ -145,6 +160,14 @@ def optimizer_state_dict(
         return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank)
     if fmt == "local":
         return optimizer.state_dict()
+    if fmt == "sharded" and fsdp1_state.supported(model):
+        state = fsdp1_state.optimizer_state_dict(model, optimizer)
+        if state is not None:
+            return state
+    if fmt == "full" and fsdp1_state.supports_full(model):
+        state = fsdp1_state.full_optimizer_state_dict(model, optimizer)
+        if state is not None:
+            return state
     with state_dict_context(model, fmt, device_type):
         state = FSDP.optim_state_dict(model, optimizer)
         if fmt == "full" and rank == 0 and getattr(model, "_use_orig_params", False):

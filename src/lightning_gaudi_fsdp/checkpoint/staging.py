@@ -4,28 +4,40 @@
 of a ``DTensor``) into CPU buffers it keeps from one save to the next: a checkpoint of the same model lands in the
 same buffers each time, so after the first save staging allocates nothing. Containers are rebuilt around the copies
 and every other value is deep-copied, so nothing in the staged checkpoint changes when training does. Nothing here
-knows state-dict formats, files or process groups.
+knows state-dict formats, files, process groups or devices: who allocates the buffers (page-locked memory, to stage
+off an accelerator at full speed) is the caller's choice.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 _Path = tuple[Any, ...]
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+# allocate(shape, dtype): an empty host tensor for a staging buffer
+Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
 class HostStager:
     """Copies checkpoints into reusable host buffers (one set per stager; see the module docstring).
 
     The buffers of a staged checkpoint are overwritten by the next :meth:`stage`: stage again only once the previous
-    copy has been written."""
+    copy has been written. ``allocate``: makes each buffer (default: ordinary host memory); see :meth:`use`."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Allocate | None = None) -> None:
         self._buffers: dict[_Path, torch.Tensor] = {}
+        self._allocate = allocate
+
+    def use(self, allocate: Allocate | None) -> None:
+        """Make later buffers with ``allocate`` (``None``: ordinary host memory); buffers made otherwise are
+        dropped."""
+        if allocate is not self._allocate:
+            self._allocate = allocate
+            self.release()
 
     @property
     def nbytes(self) -> int:
@@ -71,15 +83,17 @@ class HostStager:
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, ShardedTensor):
-            if any(shard.tensor.device.type != "cpu" for shard in value.local_shards()):
-                value = value.cpu()  # placements must name the device the staged shards live on
+            # The shards are copied straight from their device; the placements then name the host.
             metadata = copy.deepcopy(value.metadata())
             metadata.tensor_properties.pin_memory = False
             metadata.tensor_properties.requires_grad = False
-            shards = [
-                Shard(self._buffer(shard.tensor, (*path, "shard", i), used), shard.metadata)
-                for i, shard in enumerate(value.local_shards())
-            ]
+            for shard_metadata in metadata.shards_metadata:
+                _place_on_host(shard_metadata)
+            shards = []
+            for i, shard in enumerate(value.local_shards()):
+                shard_metadata = copy.deepcopy(shard.metadata)
+                _place_on_host(shard_metadata)
+                shards.append(Shard(self._buffer(shard.tensor, (*path, "shard", i), used), shard_metadata))
             return ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, metadata, process_group=value._process_group
             )
@@ -94,7 +108,18 @@ class HostStager:
         source = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            if self._allocate is None:
+                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            else:
+                buffer = self._allocate(source.shape, source.dtype)
         buffer.copy_(source)
         used[path] = buffer
         return buffer
+
+
+def _place_on_host(shard_metadata: Any) -> None:
+    from torch.distributed.remote_device import _remote_device
+
+    placement = shard_metadata.placement
+    if placement is not None and placement.device().type != "cpu":
+        shard_metadata.placement = _remote_device(f"rank:{placement.rank()}/cpu")

@@ -40,12 +40,14 @@ def parameter_names(model: Module) -> list[str]:
 
 
 def _to_local(value: Any) -> Any:
+    """Local shards as plain host tensors: moved, not copied, when already on the CPU (a synchronous save writes them
+    before training goes on; an asynchronous one stages them into its own buffers first)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return value.to_local().detach().to("cpu", copy=True)
+        return value.to_local().detach().to("cpu")
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu")
     if isinstance(value, Mapping):
         return {k: _to_local(v) for k, v in value.items()}
     return value

@@ -1,0 +1,115 @@
+"""FSDP1 state dicts built from each rank's own slices against torch's own, in one run per configuration: every rank
+saves the sharded checkpoint both ways (DCP) and builds the full state both ways; rank 0 consolidates the sharded ones
+and compares everything bitwise. Writes ``fsdp1_state.json`` (which paths applied, what differed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import load_config, write_json
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, 7)  # sizes that do not divide evenly: pieces straddle rows and ranks
+        self.b = nn.Linear(7, width)
+        self.register_buffer("scale", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale.sum()
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or sorted(map(str, a)) != sorted(map(str, b)):
+            return [f"{path} keys"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list | tuple):
+        if len(a) != len(b):
+            return [f"{path} length"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+def main() -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, OptimStateKeyType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lightning_gaudi_fsdp.checkpoint import formats
+    from lightning_gaudi_fsdp.engine import fsdp1_state
+
+    cfg = load_config()
+    out = Path(cfg["out"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    # Lightning's FSDPPrecision gives FSDP a MixedPrecision even for 32-true; bf16 buffers are cast back for saving
+    buffer_dtype = getattr(torch, cfg["buffer_dtype"])
+    model = FSDP(
+        nn.Sequential(Block(5), Block(5), nn.Linear(5, 3)),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),
+        use_orig_params=cfg["use_orig_params"],
+        mixed_precision=MixedPrecision(torch.float32, torch.float32, buffer_dtype),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 5)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    ours = {
+        fmt: {
+            "model": formats.model_state_dict(model, fmt, "cpu"),
+            "optimizer_0": formats.optimizer_state_dict(model, optimizer, fmt, "cpu", rank),
+        }
+        for fmt in ("sharded", "full")
+    }
+    theirs = {}
+    for fmt in ("sharded", "full"):
+        with formats.state_dict_context(model, fmt, "cpu"):
+            optim = FSDP.optim_state_dict(model, optimizer)
+            if fmt == "full" and rank == 0 and cfg["use_orig_params"]:
+                optim = FSDP.rekey_optim_state_dict(optim, OptimStateKeyType.PARAM_ID, model)
+            theirs[fmt] = {"model": model.state_dict(), "optimizer_0": optim}
+    for name, state in (("ours", ours["sharded"]), ("theirs", theirs["sharded"])):
+        dcp.save(state, checkpoint_id=out / name)
+    dist.barrier()
+    if rank == 0:
+        consolidated = {}
+        for name in ("ours", "theirs"):
+            dcp_to_torch_save(out / name, out / f"{name}.pt")
+            consolidated[name] = torch.load(out / f"{name}.pt", weights_only=False)
+        write_json(
+            out,
+            "fsdp1_state.json",
+            {
+                "sharded_fast": fsdp1_state.supported(model),
+                "full_fast": fsdp1_state.supports_full(model),
+                "sharded_differences": _differences(consolidated["ours"], consolidated["theirs"]),
+                "full_differences": _differences(
+                    ours["full"], {**theirs["full"], "model": dict(theirs["full"]["model"])}
+                ),
+                "full_model_keys_in_order": list(ours["full"]["model"]) == list(theirs["full"]["model"]),
+                "buffer_dtype": str(ours["full"]["model"]["0.scale"].dtype),
+            },
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
