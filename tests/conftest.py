@@ -29,6 +29,8 @@ def _env() -> dict[str, str]:
         "WORLD_SIZE",
         "RANK",
         "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID",  # set in this process by tests that build a launching Trainer
+        "PL_GLOBAL_SEED",  # set by a seed_everything in this process (in-process LightningCLI checks): Lightning
+        "PL_SEED_WORKERS",  # reseeds every rank from it at setup, so a scenario would not run with its own seed
     ):
         env.pop(name, None)
     return env

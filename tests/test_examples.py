@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -63,13 +64,16 @@ def _instantiate(example, config: Path) -> object:
 
 @contextlib.contextmanager
 def _argv() -> Iterator[None]:
-    """The example's own command line while it parses ``args`` (LightningCLI warns when pytest's is there too)."""
-    saved = sys.argv
+    """The example's own command line while it parses ``args`` (LightningCLI warns when pytest's is there too), and
+    this process's environment as it was afterwards."""
+    saved, environ = sys.argv, dict(os.environ)
     sys.argv = [str(LLAMA)]
     try:
         yield
     finally:
         sys.argv = saved
+        os.environ.clear()  # LightningCLI's seed_everything sets PL_GLOBAL_SEED, which later scenarios would inherit
+        os.environ.update(environ)
 
 
 @pytest.mark.versions
