@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,16 +14,54 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("fsdp1", "fsdp2")
 
 
-def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
+def _smoke(tmp_path: Path, *only: str) -> tuple[Any, dict[str, Any]]:
     from conftest import run_command
 
+    sections = [arg for name in only for arg in ("--only", name)]
     proc = run_command(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", *sections, "--out", str(tmp_path)],
         cwd=tmp_path,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads((tmp_path / "latest.json").read_text())
+    return proc, json.loads((tmp_path / "latest.json").read_text())
+
+
+def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path) -> None:
+    checkpoint = results["checkpoint"]
+    for engine in ENGINES:
+        for fmt in ("full", "sharded", "local"):
+            assert checkpoint[engine][fmt]["bytes"] > 0
+            assert checkpoint[engine][fmt]["save_s"] > 0
+            background = checkpoint[engine][fmt]["async"]  # the same save with async_save=True, in the same round
+            assert 0 < background["blocked_s"] <= background["save_s"]
+            # the staging buffers hold rank 0's part of the checkpoint's tensors: all of them (full) or its shard
+            assert 0 < background["staging_bytes"] <= checkpoint[engine][fmt]["bytes"]
+        assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
+
+    summary = {row["measurement"]: row for row in results["summary"]}
+    assert summary["full save / torch.save"]["target"] == "<= 1.5"
+    assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
+    for fmt in ("sharded", "local"):
+        row = summary[f"{fmt} save: blocked time, async / sync"]
+        assert row["target"] == "<= 0.1"
+        assert all(row[engine] > 0 for engine in ENGINES)
+    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for text in ("vs disk", "async blocked s", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
+        assert text in proc.stdout
+
+
+def test_benchmark_checkpoint_section_smoke_run_writes_ratios_and_chart(tmp_path):
+    """The default run's representative of the benchmarks: the checkpoint section (saves in every format, async,
+    reshard loads) for both engines, its summary rows and the chart. The whole smoke run is under ``-m slow``."""
+    proc, results = _smoke(tmp_path, "checkpoint")
+    _check_checkpoint_section(proc, results, tmp_path)
+    assert set(results) == {"schema", "checkpoint", "summary"}
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
+    proc, results = _smoke(tmp_path)
 
     overhead = results["overhead"]
     for engine in ENGINES:
@@ -40,30 +79,11 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
         assert rows[engine]["FULL_SHARD@2"]["grads"] > 0  # counted before zero_grad, for both engines
     assert "NO_SHARD@2" not in rows["fsdp2"]
 
-    checkpoint = results["checkpoint"]
-    for engine in ENGINES:
-        for fmt in ("full", "sharded", "local"):
-            assert checkpoint[engine][fmt]["bytes"] > 0
-            assert checkpoint[engine][fmt]["save_s"] > 0
-            background = checkpoint[engine][fmt]["async"]  # the same save with async_save=True, in the same round
-            assert 0 < background["blocked_s"] <= background["save_s"]
-            # the staging buffers hold rank 0's part of the checkpoint's tensors: all of them (full) or its shard
-            assert 0 < background["staging_bytes"] <= checkpoint[engine][fmt]["bytes"]
-        assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
-
+    _check_checkpoint_section(proc, results, tmp_path)
     summary = {row["measurement"]: row for row in results["summary"]}
     both = [row for row in summary.values() if row["fsdp1"] is not None and row["fsdp2"] is not None]
     assert len(both) >= 10
-    assert summary["full save / torch.save"]["target"] == "<= 1.5"
-    assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
-    for fmt in ("sharded", "local"):
-        row = summary[f"{fmt} save: blocked time, async / sync"]
-        assert row["target"] == "<= 0.1"
-        assert all(row[engine] > 0 for engine in ENGINES)
-
-    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for text in ("ratio", "vs disk", "async blocked s", "FSDP2 checkpoints", "summary, FSDP1 vs FSDP2"):
-        assert text in proc.stdout
+    assert "ratio" in proc.stdout
 
 
 @pytest.mark.slow
