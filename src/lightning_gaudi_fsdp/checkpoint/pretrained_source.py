@@ -2,7 +2,8 @@
 
 A Hugging Face model directory (``model.safetensors``, or several files with ``model.safetensors.index.json``), one
 ``.safetensors`` file (memory-mapped; ``safe_open(...).get_slice(key)[a:b]`` reads rows of one tensor), or a
-checkpoint of this strategy (full, sharded or local; read as a full state dict, memory-mapped for a full file).
+checkpoint of this strategy (full, sharded or local; read a tensor, or one local FSDP unit, at a time through
+:mod:`.tensor_source`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -103,17 +105,17 @@ class Source:
     def __init__(self, weights: Weights, *, weights_only: bool = True) -> None:
         self.weights = weights
         self._handles: dict[Path, Any] = {}
-        self._state: Mapping[str, torch.Tensor] | None = None
+        self._checkpoint: TensorSource | None = None
+        self._read: dict[str, torch.Tensor] = {}  # the checkpoint tensors read last (one group)
         self.where: dict[str, str] = {}  # key -> file name, for messages
         self._file_of: dict[str, Path] = {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
         if weights.kind == "checkpoint":
-            from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
-
-            state = load_full_state(weights.path, weights_only=weights_only)[0].get("state_dict", {})
-            self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            for key, tensor in self._state.items():
-                self.meta[key] = (tuple(tensor.shape), tensor.dtype)
+            # names, shapes and dtypes only; tensors are read a few at a time (memory-mapped, or the byte ranges of
+            # a sharded checkpoint), so no rank holds the whole model
+            self._checkpoint = open_source(weights.path, weights_only=weights_only)
+            for key, (shape, dtype) in self._checkpoint.entries.items():
+                self.meta[key] = (tuple(shape), dtype)
                 self.where[key] = weights.path.name
             return
         for file in weights.files:
@@ -139,8 +141,10 @@ class Source:
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dimension 0 of ``key`` (the whole tensor for a 0-d one)."""
-        if self._state is not None:
-            tensor = self._state[key]
+        if self._checkpoint is not None:
+            if key not in self._read:
+                self._read = self._checkpoint.read(self._checkpoint.group(key))
+            tensor = self._read[key]
             return tensor if tensor.dim() == 0 else tensor[start:stop]
         handle = self._open(self._file_of[key])
         if not self.meta[key][0]:

@@ -58,6 +58,15 @@ class TensorSource:
             return {n: self._read_fsdp2_local(n) for n in names}
         return self._read_fsdp1_local(names)
 
+    def group(self, name: str) -> list[str]:
+        """The tensors that :meth:`read` gets at the cost of ``name`` alone: every parameter of its flat parameter
+        (one FSDP unit) in a local FSDP1 checkpoint, else just ``name``. A reader going tensor by tensor reads each
+        group once."""
+        owner = self._owner.get(name) if self.fmt == "local" and self._engine == 1 else None
+        if owner is None:
+            return [name]
+        return [n for n, key in self._owner.items() if key == owner]
+
     def _read_sharded(self, names: list[str]) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
