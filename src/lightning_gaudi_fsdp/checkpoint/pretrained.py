@@ -11,8 +11,7 @@ shards uninitialised memory while wrapping (:func:`empty_init`) and then copies 
 - FSDP2: each DTensor's local shard (rows of dimension 0).
 
 safetensors files are memory-mapped and read a slice at a time (``safe_open(...).get_slice(key)[a:b]``), so a rank
-reads about its shard (:mod:`.pretrained_source`). A checkpoint is read as a full state dict (memory-mapped for a full
-checkpoint file).
+reads about its shard (:mod:`.pretrained_source`). A checkpoint is read a tensor (one local FSDP1 unit) at a time.
 Parameters no file covers are PEFT adapters, initialised as PEFT initialises them (LoRA ``B`` = 0, ``A``
 Kaiming-uniform; embedding adapters ``A`` = 0, ``B`` normal), the same on every rank and at every world size.
 """
