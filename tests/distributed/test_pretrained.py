@@ -80,6 +80,9 @@ def test_two_ranks_load_their_shards_bitwise_and_fine_tune_like_from_pretrained(
         assert all(torch.equal(resumed[k], v) for k, v in final["final"].items())
         from_checkpoint = torch.load(run.out / "from_checkpoint.pt")  # a checkpoint as pretrained_weights
         assert all(torch.equal(from_checkpoint[k], v) for k, v in final["final"].items())
+        for stage in ("test", "predict"):  # trainer.test / trainer.predict load the file into the shards too
+            held_in_stage = torch.load(run.out / f"{stage}.pt")
+            assert all(torch.equal(held_in_stage[k], v) for k, v in expected.items()), stage
 
 
 @pytest.mark.parametrize("engine", [1, pytest.param(2, marks=pytest.mark.slow)])

@@ -112,7 +112,13 @@ class FineTune(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(tokens(self.cfg, self._vocab()), batch_size=None, collate_fn=lambda b: [b])
 
-    val_dataloader = train_dataloader
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0][:1]).logits.sum()
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
     def _vocab(self) -> int:
         return transformers.LlamaConfig.from_pretrained(self.cfg["weights"]).vocab_size
@@ -155,6 +161,8 @@ def run_trainer(cfg: dict[str, Any], out: Path) -> None:
             ("validate", None, {}),
             ("resumed", str(out / "fit.ckpt"), {}),
             ("from_checkpoint", None, from_checkpoint),
+            ("test", None, {}),  # every stage wraps, and loads the file, the same way
+            ("predict", None, {}),
         )
         for tag, ckpt_path, source in runs:
             fresh, state = FineTune(cfg), {}
@@ -163,9 +171,10 @@ def run_trainer(cfg: dict[str, Any], out: Path) -> None:
                 devices=2,
                 strategy=GaudiFSDPStrategy(**strategy_args({**cfg, **source})),
                 callbacks=[Probe(fresh.info, {}, cfg, after_restore=state)],
-                **{**QUIET_TRAINER, "limit_val_batches": 1},
+                **{**QUIET_TRAINER, "limit_val_batches": 1, "limit_test_batches": 1, "limit_predict_batches": 1},
             )
-            validator.validate(fresh, ckpt_path=ckpt_path)
+            stage = {"test": validator.test, "predict": validator.predict}.get(tag, validator.validate)
+            stage(fresh, ckpt_path=ckpt_path)
             module.info[f"{tag}_losses"] = fresh.info.get("val_losses")
             module.info[f"{tag}_meta_after_configure_model"] = fresh.info.get("meta_after_configure_model")
             if rank == 0:
@@ -199,6 +208,8 @@ class Probe(L.Callback):
         if self.after_restore is not None and not self.after_restore:
             state = loaded_state(self.cfg, trainer.strategy.model, trainer.global_rank, "model.")
             self.after_restore.update(state or {"rank": trainer.global_rank})
+
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
 
 
 def run_fabric(cfg: dict[str, Any], out: Path) -> None:
