@@ -31,7 +31,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the LLaMA example's generated data
-from llama_fsdp import StrideDataModule, StrideSequences  # noqa: E402
+from llama_fsdp import LlamaLM, StrideDataModule, StrideSequences  # noqa: E402
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, gaudi  # noqa: E402
 from lightning_gaudi_fsdp.checkpoint.hf_export import export_hf  # noqa: E402
@@ -77,22 +77,13 @@ class LoRAFineTune(L.LightningModule):
 
 
 def make_base(path: Path, vocab_size: int, steps: int = 40) -> None:
-    """A small Llama, briefly pretrained in this process on the generated sequences (so fine-tuning starts from a
-    model that knows something), written as a Hugging Face directory split into several safetensors files."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """The LLaMA example's model (``examples/llama_fsdp.py``, its default sizes), briefly pretrained in this process
+    on the generated sequences (so fine-tuning starts from a model that knows something), written as a Hugging Face
+    directory split into several safetensors files."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    lm = LlamaLM(vocab_size=vocab_size)
+    lm.configure_model()
+    model = lm.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = StrideSequences(steps * 16, 64, vocab_size, seed=1234).tokens.split(16)
     for tokens in data:

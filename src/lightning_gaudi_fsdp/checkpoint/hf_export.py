@@ -33,7 +33,7 @@ import torch
 from torch.nn import Module
 
 from lightning_gaudi_fsdp.checkpoint import commit, storage
-from lightning_gaudi_fsdp.checkpoint.hf_names import base_key, is_adapter_key
+from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
 HF_KEY = "gaudi_fsdp_hf_model"  # JSON: {"prefix": "model.", "peft": {adapter name: LoraConfig dict} | null}
@@ -309,7 +309,7 @@ def _write_files(source: TensorSource, files: list[tuple[str, list[_Out]]], stag
             "metadata": {"total_size": sum(o.nbytes for _, g in files for o in g)},
             "weight_map": dict(sorted((o.name, name) for name, g in files for o in g)),
         }
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

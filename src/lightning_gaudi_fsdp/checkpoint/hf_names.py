@@ -1,4 +1,6 @@
-"""Names of a PEFT-wrapped model's weights and their Hugging Face counterparts.
+"""Names of a PEFT-wrapped model's weights and their Hugging Face counterparts, and of a Hugging Face model
+directory's weight files (what ``save_pretrained`` writes; read for ``pretrained_weights``, written by ``convert --to
+hf``).
 
 PEFT (LoRA) keeps a wrapped layer's original weight as ``<layer>.base_layer.weight`` and adds its adapters as
 ``<layer>.lora_A.<adapter>.weight`` (``lora_B``, ``lora_embedding_A/B``, ``lora_magnitude_vector`` for DoRA).
@@ -6,6 +8,8 @@ PEFT (LoRA) keeps a wrapped layer's original weight as ``<layer>.base_layer.weig
 
 from __future__ import annotations
 
+MODEL_FILE = "model.safetensors"  # a model saved in one file
+MODEL_INDEX = "model.safetensors.index.json"  # which of several files holds each key
 BASE_LAYER = "base_layer"
 ADAPTER_SEGMENTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
 

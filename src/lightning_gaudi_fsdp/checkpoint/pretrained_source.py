@@ -16,10 +16,11 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_gaudi_fsdp.checkpoint import hf_names
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX = hf_names.MODEL_INDEX
+SINGLE = hf_names.MODEL_FILE
 _ACCEPTED = (
     "a Hugging Face model directory (model.safetensors or model.safetensors.index.json), a .safetensors file or a "
     "checkpoint of this strategy (full file, sharded or local directory)"
