@@ -116,6 +116,9 @@ def main() -> None:
                 break
         epoch += 1
     fabric.strategy.teardown()  # waits for a checkpoint still being written in the background (--async-save)
+    # torch's advice for the end of every distributed script: without it, gloo's worker threads can still hold work
+    # while the interpreter shuts down, and the process aborts ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
     if losses:
         fabric.print(f"loss: first={losses[0]:.4f} last={losses[-1]:.4f} steps={state['step']}")
 

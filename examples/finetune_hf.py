@@ -149,6 +149,7 @@ def main() -> None:
     trainer.fit(module, data)
     checkpoint = out / "checkpoints" / "finetuned.ckpt"
     trainer.save_checkpoint(checkpoint, weights_only=False)  # adapters and their optimizer state
+    torch.distributed.destroy_process_group()  # the last collective: see examples/fabric_pretrain.py
     if not trainer.is_global_zero:
         return
     print(
