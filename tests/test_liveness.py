@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -107,6 +108,64 @@ def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds
     parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
     config = parser.parse_string("strategy:\n  failure_timeout: 20\n")
     assert GaudiFSDPStrategy(**config.strategy.as_dict())._failure_timeout == 20.0
+
+
+def test_stuck_timeout_is_off_unless_given_in_seconds_as_an_argument_or_in_yaml():
+    from jsonargparse import ArgumentParser
+
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy, fabric
+
+    assert GaudiFSDPStrategy()._stuck_timeout is None
+    assert GaudiFSDPStrategy(stuck_timeout=300)._stuck_timeout == 300.0
+    assert fabric.GaudiFSDPStrategy(stuck_timeout=timedelta(minutes=2))._stuck_timeout == 120.0
+    with pytest.raises(
+        ValueError, match=r"^stuck_timeout='5m' is not supported; expected a positive number of seconds"
+    ):
+        GaudiFSDPStrategy(stuck_timeout="5m")
+    parser = ArgumentParser()
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  stuck_timeout: 90\n")
+    assert GaudiFSDPStrategy(**config.strategy.as_dict())._stuck_timeout == 90.0
+
+
+def test_a_wait_in_torch_distributed_is_timed_per_call_so_short_waits_never_add_up():
+    """The heartbeat's clock of the main thread's wait, on a real thread blocked in real ``torch.distributed`` calls
+    (a store read another thread answers later): eight waits of 0.25 s in a row never read as one long wait; one
+    wait of 2.5 s does, and names the call; time spent outside ``torch.distributed`` is no wait."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.utils.store import get_all
+
+    from lightning_gaudi_fsdp._stuck import WaitClock
+
+    store = dist.HashStore()
+    phase = {"name": "idle"}
+
+    def waits() -> None:
+        time.sleep(0.5)  # outside torch.distributed
+        for i, seconds in enumerate([0.25] * 8 + [2.5]):
+            phase["name"] = "short" if seconds < 1 else "long"
+            threading.Timer(seconds, store.set, args=(f"w{i}/0", b"x")).start()
+            get_all(store, 0, f"w{i}/", 1)
+        phase["name"] = "done"
+
+    thread = threading.Thread(target=waits, daemon=True)
+    thread.start()
+    clock = WaitClock(thread.ident)
+    seen: dict[str, float] = {}
+    sites = set()
+    while thread.is_alive():
+        waited, name = clock.sample(), phase["name"]
+        seen[name] = max(seen.get(name, 0.0), waited)
+        if clock.site:
+            sites.add(clock.site)
+        time.sleep(0.05)
+    assert seen["idle"] == 0.0
+    assert seen["short"] < 0.6, seen
+    assert seen["long"] > 1.8, seen
+    assert sites
+    assert all(re.fullmatch(r"get_all \(torch/distributed/elastic/utils/store\.py:\d+\)", s) for s in sites), sites
 
 
 _RENDEZVOUS_CHILD = """

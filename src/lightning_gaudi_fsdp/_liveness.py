@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning_gaudi_fsdp import _compat, options
+from lightning_gaudi_fsdp import _compat, _stuck, options
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,19 @@ def failure_timeout(value: float | None) -> float:
         number: Any = float(text)
     except ValueError:
         number = text
-    return options.resolve_failure_timeout(number, _BOUND_ENV) or DEFAULT_FAILURE_TIMEOUT_S
+    return options.resolve_seconds(number, _BOUND_ENV) or DEFAULT_FAILURE_TIMEOUT_S
 
 
-def _leave(message: str) -> None:
-    """Print ``message`` and end this process at once with exit code 1 (from any thread: a main thread blocked in a
-    C++ wait would never see an exception raised here)."""
+def _say(message: str) -> None:
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
+
+
+def _leave(message: str | None) -> None:
+    """Print ``message`` and end this process at once with exit code 1 (from any thread: a main thread blocked in a
+    C++ wait would never see an exception raised here)."""
+    if message is not None:
+        _say(message)
     os._exit(1)
 
 
@@ -169,6 +174,7 @@ class Verdict:
     store_unreachable: str | None = None
     stuck: list[int] = field(default_factory=list)  # alive, no error of their own: asked to print their stacks
     agent_store: bool = False  # torchrun's agent holds the store (not global rank 0)
+    waited_in: str | None = None  # the collective this rank failed in
 
     def message(self, rank: int, world_size: int) -> str | None:
         if self.store_unreachable is not None:
@@ -203,6 +209,7 @@ class Verdict:
                 f"rank{plural} {names} of {world_size} still run{'' if plural else 's'} but never reached the "
                 f"collective (stuck); each printed its Python stack to its own stderr, under the line "
                 f"'lightning_gaudi_fsdp: rank N stack, asked by rank {rank}'"
+                + (f"; rank {rank} waited in {self.waited_in}" if self.waited_in else "")
             )
         others = [(r, text) for r, text in self.errors if r != rank]
         if others:  # errors a rank raised itself (not a collective failing because of another rank)
@@ -252,16 +259,27 @@ class Heartbeat:
     """A daemon thread that bumps this rank's counter in the rendezvous store every ``interval_s`` seconds."""
 
     def __init__(
-        self, rank: int, world_size: int, node: str, interval_s: float = 1.0, bound_s: float | None = None
+        self,
+        rank: int,
+        world_size: int,
+        node: str,
+        interval_s: float = 1.0,
+        bound_s: float | None = None,
+        stuck_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.node = node
         self.interval_s = interval_s
         self.bound_s = DEFAULT_FAILURE_TIMEOUT_S if bound_s is None else bound_s
+        self.stuck_s = stuck_s  # None: no watch of the main thread's waits
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._run = _run_id()
+        self._clock: _stuck.WaitClock | None = None
+        self._published_wait = ""
+        self._errors_seen = 0
+        self._told: set[int] = set()  # ranks whose own error this rank's heartbeat acknowledged
 
     @staticmethod
     def available() -> bool:
@@ -280,23 +298,124 @@ class Heartbeat:
                 "rank will not be named"
             )
             return
+        if self.stuck_s is not None:
+            self._clock = _stuck.WaitClock(threading.get_ident())  # the thread that runs the training loop
         self._thread = threading.Thread(target=self._beat, args=(store,), name="lgf-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self, store: Any) -> None:
         key = _key("beat", self.rank, self._run)
-        dump = _key("dump", self.rank, self._run)
         while not self._stop.wait(self.interval_s):
             try:
                 store.add(key, 1)
-                if store.check([dump]):
-                    asked_by = store.get(dump).decode()
-                    store.delete_key(dump)
-                    _dump_stacks(self.rank, asked_by)
+                self._answer_dump_request(store)
+                self._acknowledge_errors(store)
+                if self._clock is not None:
+                    self._watch_wait(store, self._clock)
             except Exception as err:  # noqa: BLE001 - the store went away with its host, or stalled
                 store = self._store_lost(err)
                 if store is None:
                     return
+
+    def _answer_dump_request(self, store: Any) -> None:
+        """Print this rank's stacks when another rank asks: after its collective failed (the request names the
+        asking rank), or, with ``stuck_timeout``, because it waited too long for this rank (the request also says
+        how long and where): this rank then records why and leaves."""
+        run = self._run
+        dump = _key("dump", self.rank, run)
+        if not store.check([dump]):
+            return
+        asked_by, _, waited = store.get(dump).decode().partition("\n")
+        store.delete_key(dump)
+        if not waited:
+            _dump_stacks(
+                f"lightning_gaudi_fsdp: rank {self.rank} stack, asked by rank {asked_by} (its collective failed):"
+            )
+            return
+        why = f"stuck: rank {asked_by} waited {waited} for it"
+        _dump_stacks(
+            f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) is {why}. Every thread's "
+            "Python stack (the main thread's shows where it is stuck):"
+        )
+        order = store.add(_key("errors", "count", run), 1)
+        store.set(_key("error", self.rank, run), f"{order}\n0\n{why}")
+        store.set(_key("dumped", self.rank, run), "1")
+        # Leave after the asking rank: until then its collective stays blocked (no transport error, no second
+        # report there); under a launcher that ends the job when one rank exits, this rank is ended with it.
+        node, _, pid = (_read(store, _key("who", asked_by, run)) or "").partition("\n")
+        if node == self.node and pid.isdigit():  # by process id: polling a store whose host left prints C++ errors
+            deadline = time.monotonic() + 5 * self.interval_s
+            while _process_alive(int(pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            _wait_for_keys(store, [_key("left", asked_by, run)], 5 * self.interval_s)
+        _leave(f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} leaves ({why})")
+
+    def _acknowledge_errors(self, store: Any) -> None:
+        """Print the first error another rank raised itself as soon as it is recorded, and acknowledge each: the
+        raising rank waits for that before it exits. (Under Lightning's launcher, rank 0's process is killed by the
+        launcher's observer soon after a rank it started exits, before its own collective failure is reported.)"""
+        run = self._run
+        count = store.add(_key("errors", "count", run), 0)
+        if count == self._errors_seen:
+            return
+        self._errors_seen = count
+        new = []
+        for r in range(self.world_size):
+            if r == self.rank or r in self._told:
+                continue
+            recorded = _read(store, _key("error", r, run))
+            if recorded is not None:
+                seq, peer, text = recorded.split("\n", 2)
+                if peer == "0":  # an error of its own, not a collective failing because of another rank
+                    new.append((int(seq), r, text))
+        for _, r, text in sorted(new):
+            if not self._told:
+                _say(f"[rank {self.rank}] lightning_gaudi_fsdp: rank {r} failed first with: {text}")
+            self._told.add(r)
+            store.add(_key("acks", r, run), 1)
+
+    def _watch_wait(self, store: Any, clock: _stuck.WaitClock) -> None:
+        """Publish where the main thread waits; past ``stuck_timeout`` in one call, end the job naming the ranks
+        that do not wait (the stuck ones), after they printed their stacks."""
+        waited = clock.sample()
+        site = clock.site or ""
+        if site != self._published_wait:
+            store.set(_key("wait", self.rank, self._run), site)
+            self._published_wait = site
+        if self.stuck_s is None or waited < self.stuck_s:
+            return
+        run = self._run
+        others = [r for r in range(self.world_size) if r != self.rank]
+        waits = {r: _read(store, _key("wait", r, run)) or "" for r in others}
+        gone = self._gone(store)
+        stuck = [r for r in others if not waits[r] and r not in gone]
+        here = f"rank {self.rank} of {self.world_size} ({_where()}) waited {waited:.0f} s in {site}"
+        bound = f"stuck_timeout={self.stuck_s:g} s"
+        if stuck:
+            names = ", ".join(f"rank {r} ({_who(store, r, run)})" for r in stuck)
+            one = len(stuck) == 1
+            reason = (
+                f"{names}, which still run{'s' if one else ''} but never reached it (stuck); "
+                f"{'its' if one else 'their'} Python stack is printed under 'lightning_gaudi_fsdp: rank N of W "
+                "(node ..., pid ...) is stuck'"
+            )
+            _say(f"lightning_gaudi_fsdp: {here}, more than {bound}, for {reason}; every rank of the job leaves")
+            for r in stuck:
+                store.set(_key("dump", r, run), f"{self.rank}\n{waited:.0f} s ({bound}) in {site}")
+            # They print their stacks before this rank leaves (its exit may end them: Lightning's launcher).
+            _wait_for_keys(store, [_key("dumped", r, run) for r in stuck], 5 * self.interval_s)
+            store.set(_key("left", self.rank, run), "1")
+            _leave(None)
+        elif gone:
+            reason = f"rank(s) {', '.join(str(r) for r in sorted(gone))}, which stopped without reporting an error"
+        else:
+            elsewhere = "; ".join(f"rank {r} in {waits[r]}" for r in others)
+            reason = (
+                f"the other ranks, which all wait in collectives too ({elsewhere}): the ranks called different "
+                "collectives, or the same ones in a different order"
+            )
+        _leave(f"lightning_gaudi_fsdp: {here}, more than {bound}, for {reason}; every rank of the job leaves")
 
     def _store_lost(self, err: BaseException) -> Any:
         """The store stopped answering. Reconnect and go on beating if it comes back within ``bound_s`` (a stall);
@@ -326,6 +445,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s)
             self._thread = None
+        if self._clock is not None:
+            self._clock.release()
 
     def report(self, exception: BaseException) -> str | None:
         """Handle an exception that ends this rank's run, once: record it in the store and, when it looks like a lost
@@ -355,6 +476,7 @@ class Heartbeat:
             text = f"{type(exception).__name__}: {exception}".strip().splitlines()[0][:500]
             store.set(_key("error", self.rank, run), f"{order}\n{int(peer_failure)}\n{text}")
             if not peer_failure:
+                self._await_acknowledgements(store)
                 return None
             gone = self._gone(store)
             errors = []
@@ -379,7 +501,21 @@ class Heartbeat:
                 time.sleep(2 * self.interval_s)
             except Exception:  # noqa: BLE001, S110 - the verdict stands without the stacks
                 pass
-        return Verdict(lost=sorted(gone - reported), errors=own_errors, stuck=stuck)
+        return Verdict(
+            lost=sorted(gone - reported),
+            errors=own_errors,
+            stuck=stuck,
+            waited_in=_stuck.traceback_wait_site(exception) if stuck else None,
+        )
+
+    def _await_acknowledgements(self, store: Any) -> None:
+        """After recording an error of this rank's own: wait (a few beats at most) until every other rank's
+        heartbeat printed it, so that a rank killed as soon as this one exits (Lightning's launcher kills the rest
+        of the job then) has said which rank failed first."""
+        deadline = time.monotonic() + 3 * self.interval_s
+        key = _key("acks", self.rank, self._run)
+        while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _gone(self, store: Any) -> set[int]:
         """Ranks no longer running: by process id on this node (at once), by a stalled heartbeat elsewhere."""
@@ -425,13 +561,27 @@ def report_uncaught(heartbeat: Heartbeat) -> None:
     sys.excepthook = hook
 
 
-def _dump_stacks(rank: int, asked_by: str) -> None:
-    """Print every thread's Python stack to stderr (from the heartbeat thread, while the main thread is stuck)."""
+def _dump_stacks(header: str) -> None:
+    """Print ``header`` and every thread's Python stack to stderr (from the heartbeat thread, while the main thread
+    is stuck)."""
     import faulthandler
 
-    sys.stderr.write(f"lightning_gaudi_fsdp: rank {rank} stack, asked by rank {asked_by} (its collective failed):\n")
+    sys.stderr.write(header + "\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+def _wait_for_keys(store: Any, keys: list[str], bound_s: float) -> None:
+    """Until every key is set, the store is gone (the rank that would set them left with it) or ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    with contextlib.suppress(Exception):
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.1)
+
+
+def _who(store: Any, rank: int, run: str) -> str:
+    node, _, pid = (_read(store, _key("who", rank, run)) or "?\n?").partition("\n")
+    return f"node {node}, pid {pid}"
 
 
 def _read(store: Any, key: str) -> str | None:

@@ -55,6 +55,7 @@ class Resolved:
     check_free_space: bool | None
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
+    stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
 
 
 def resolve(
@@ -85,6 +86,7 @@ def resolve(
     pretrained_weights: Any = None,
     pretrained_prefix: Any = "",
     failure_timeout: Any = None,
+    stuck_timeout: Any = None,
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -162,7 +164,8 @@ def resolve(
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
         pretrained=weights,
-        failure_timeout=_liveness.failure_timeout(options.resolve_failure_timeout(failure_timeout)),
+        failure_timeout=_liveness.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
+        stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
     )
 
 
@@ -202,6 +205,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._check_free_space = resolved.check_free_space
     door._pretrained = resolved.pretrained
     door._failure_timeout = resolved.failure_timeout
+    door._stuck_timeout = resolved.stuck_timeout
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -211,7 +215,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
 class GaudiPlatform:
     """Mixed in before Lightning's ``FSDPStrategy`` (the Trainer's or Fabric's): the root device, the process-group
     backend, the launcher checks, the process group on Gaudi and the liveness heartbeat (each door stops it in
-    ``teardown`` and reports failures through it: the Trainer in ``on_exception``, Fabric from ``sys.excepthook``)."""
+    ``teardown`` and reports failures through it: the Trainer in ``on_exception``, both from ``sys.excepthook``)."""
 
     @property
     def _on_hpu(self) -> bool:
@@ -324,8 +328,13 @@ def after_process_group(door: Any) -> None:
         door.kwargs["device_mesh"] = door._device_mesh
     if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
-        door._heartbeat = _liveness.Heartbeat(door.global_rank, door.world_size, node, bound_s=door._failure_timeout)
+        door._heartbeat = _liveness.Heartbeat(
+            door.global_rank, door.world_size, node, bound_s=door._failure_timeout, stuck_s=door._stuck_timeout
+        )
         door._heartbeat.start()
+        # An exception that ends the script outside the door's own hooks (Fabric has none; after the Trainer's
+        # teardown, a script's own collective) still names the rank that was lost.
+        _liveness.report_uncaught(door._heartbeat)
 
 
 def stop_heartbeat(door: Any) -> None:

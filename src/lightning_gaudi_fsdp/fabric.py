@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
@@ -120,8 +120,6 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.precision.set_device_type(self.root_device.type)
-        if self._heartbeat is not None:
-            _liveness.report_uncaught(self._heartbeat)  # Fabric has no exception hook of its own
 
     @override
     def teardown(self) -> None:

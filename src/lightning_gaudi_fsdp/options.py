@@ -489,8 +489,9 @@ def resolve_timeout(value: timedelta | float | None) -> timedelta | None:
     )
 
 
-def resolve_failure_timeout(value: timedelta | float | None, argument: str = "failure_timeout") -> float | None:
-    """Seconds, or ``None`` (the caller then takes the environment, then the default)."""
+def resolve_seconds(value: timedelta | float | None, argument: str) -> float | None:
+    """A bound in seconds (``failure_timeout``, ``stuck_timeout``), or ``None`` (the caller then takes the
+    environment or the default)."""
     if value is None:
         return None
     if isinstance(value, timedelta):

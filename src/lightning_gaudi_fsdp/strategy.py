@@ -93,6 +93,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             host lost before or while the process group forms), and the rendezvous store lost during ``fit``.
             ``None`` reads ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60. Raise it where ranks start far apart
             (a large job whose nodes come up over minutes). ``timeout`` still bounds each collective.
+        stuck_timeout: seconds a rank may wait in one collective (its Python thread inside ``torch.distributed``)
+            before the job is ended as stuck: the rank that never reached the collective prints its Python stack
+            once and every rank exits with code 1, the waiting ones naming the stuck rank (node, process id) and
+            the collective they waited in. ``None`` (default): off, and ``timeout`` alone bounds a collective.
+            Set it above your longest legitimate wait (a slow rank's save, an uneven validation).
         async_save: ``True`` makes saves during ``fit`` return once the state is copied into host buffers (kept
             from one save to the next); a background thread writes and commits it while training goes on, in any
             ``state_dict_type``. At most one save is in flight: the next one waits for it. An older checkpoint that
@@ -146,6 +151,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         pretrained_weights: str | None = None,
         pretrained_prefix: str = "",
         failure_timeout: float | None = None,
+        stuck_timeout: float | None = None,
         async_save: bool = False,
     ) -> None:
         resolved = _shared.resolve_from(locals())

@@ -15,12 +15,18 @@ BOUND_S = 90  # far below the 30-minute default process-group timeout
 
 
 def _failing_run(
-    scenario, fail: dict, timeout_s: float = 60, door: str = "trainer", launcher: str = "lightning", **extra
+    scenario,
+    fail: dict,
+    timeout_s: float = 60,
+    door: str = "trainer",
+    launcher: str = "lightning",
+    strategy_extra: dict | None = None,
+    **extra,
 ):
     """A 2-rank run of 6 steps in which ``fail`` happens, through the Trainer or a Fabric loop (``door``), its ranks
     started by Lightning's launcher or, torchrun-style, by the scenario pool (``launcher``)."""
     started = time.monotonic()
-    strategy = {"auto_wrap_policy": [BLOCK], "timeout": timeout_s}
+    strategy = {"auto_wrap_policy": [BLOCK], "timeout": timeout_s, **(strategy_extra or {})}
     if door == "fabric":
         cfg = {"strategy": strategy, "fail": fail, "epochs": 2, **extra}
     else:
@@ -57,6 +63,21 @@ def test_a_rank_raising_stops_every_rank_with_its_error(scenario, where, rank, d
         assert f"lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom in {where} on rank 1" in (
             run.proc.stderr
         )
+
+
+def test_a_rank_raising_is_named_by_a_rank_that_never_reaches_a_collective(scenario):
+    """Rank 1 raises while rank 0 is busy outside any collective (here: asleep). Under Lightning's launcher rank 0's
+    process is killed by the launcher's observer soon after rank 1 exits, so no collective failure of its own can
+    report anything: its heartbeat prints rank 1's error while rank 1 waits for that acknowledgement."""
+    fails = [
+        {"where": "training_step", "rank": 1, "step": 2},
+        {"where": "training_step", "rank": 0, "step": 2, "kind": "hang"},
+    ]
+    run = _failing_run(scenario, fails)
+    assert "RuntimeError: boom in training_step on rank 1" in run.proc.stderr
+    assert "[rank 0] lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom in training_step on rank 1" in (
+        run.proc.stderr
+    )
 
 
 def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
@@ -166,10 +187,56 @@ def test_ranks_never_outlive_the_launcher_that_started_them(scenario):
     ), run.proc.stderr[-3000:]
 
 
-def test_a_stuck_rank_prints_where_it_is_stuck(scenario):
-    """Rank 1 hangs in training_step (alive, heartbeating); rank 0's collective times out after the strategy's
-    timeout and asks it for its stack, which names the line it is stuck on."""
+@pytest.mark.slow  # the stuck_timeout test below is the default run's: this one waits out a collective timeout
+def test_a_stuck_rank_prints_where_it_is_stuck_when_the_collective_times_out(scenario):
+    """Without ``stuck_timeout``: rank 1 hangs in training_step (alive, heartbeating); rank 0's collective times out
+    after the strategy's timeout and asks it for its stack, which names the line it is stuck on."""
     run = _failing_run(scenario, {"where": "training_step", "rank": 1, "step": 2, "kind": "hang"}, timeout_s=20)
     assert "lightning_gaudi_fsdp: rank 1 stack, asked by rank 0 (its collective failed):" in run.proc.stderr
     assert "in _maybe_fail" in run.proc.stderr  # the stuck frame, from rank 1's faulthandler dump
-    assert "rank 1 of 2 still runs but never reached the collective (stuck)" in run.proc.stderr
+    assert "rank 1 of 2 still runs but never reached the collective (stuck); " in run.proc.stderr
+    assert re.search(r"; rank 0 waited in \w+ \(called from \w+, torch/distributed/", run.proc.stderr)
+
+
+STUCK_S = 4
+
+
+@pytest.mark.parametrize(
+    ("door", "launcher"),
+    [
+        ("trainer", "lightning"),
+        pytest.param("fabric", "pool", marks=pytest.mark.slow),
+        pytest.param("trainer", "pool", marks=pytest.mark.slow),
+    ],
+)
+def test_stuck_timeout_ends_every_rank_naming_the_stuck_one_with_its_stack(scenario, door, launcher):
+    """Rank 1 sleeps in its training step (alive, heartbeating, in no collective) with ``stuck_timeout`` set: rank 0,
+    waiting in a collective, names it (node, pid) and the collective after ``stuck_timeout``; rank 1 prints its own
+    stack once, showing the line it is stuck on; every process exits non-zero long before the collective timeout."""
+    started = time.monotonic()
+    run = _failing_run(
+        scenario,
+        {"where": "training_step", "rank": 1, "step": 2, "kind": "hang"},
+        timeout_s=600,  # the collective timeout is far away: only stuck_timeout can end this run in time
+        door=door,
+        launcher=launcher,
+        strategy_extra={"stuck_timeout": STUCK_S},
+    )
+    elapsed = time.monotonic() - started
+    err = run.proc.stderr
+    assert elapsed < STUCK_S + 45, f"took {elapsed:.0f}s"
+    pid = re.search(
+        r"lightning_gaudi_fsdp: rank 1 of 2 \(node [^,]+, pid (\d+)\) is stuck: rank 0 waited \d+ s "
+        rf"\(stuck_timeout={STUCK_S} s\) in \w+ \(called from \w+, torch/distributed/",
+        err,
+    )
+    assert pid, err[-4000:]
+    assert err.count("is stuck: rank 0 waited") == 1  # the stack is printed once
+    stuck_frame = "in _maybe_fail" if door == "trainer" else "in main"  # the sleeping line, from faulthandler
+    assert stuck_frame in err[err.index("is stuck: rank 0 waited") :], err[-4000:]
+    assert re.search(
+        r"lightning_gaudi_fsdp: rank 0 of 2 \(node [^,]+, pid \d+\) waited \d+ s in \w+ \(called from \w+, "
+        rf"torch/distributed/[^)]*\), more than stuck_timeout={STUCK_S} s, for rank 1 \(node [^,]+, pid "
+        rf"{pid.group(1)}\), which still runs but never reached it \(stuck\)",
+        err,
+    ), err[-4000:]

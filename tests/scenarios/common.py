@@ -93,10 +93,12 @@ class Module(L.LightningModule):
         self.seen_dtypes: dict[str, str] = {}
 
     def _maybe_fail(self, where: str, step: int = 0) -> None:
-        fail = self.hparams.fail
+        fails = self.hparams.fail if isinstance(self.hparams.fail, list) else [self.hparams.fail]
         rank = self.trainer.global_rank
-        if not fail or fail["where"] != where or fail["rank"] != rank or fail.get("step", 0) != step:
+        here = [f for f in fails if f and f["where"] == where and f["rank"] == rank and f.get("step", 0) == step]
+        if not here:
             return
+        fail = here[0]
         if fail.get("kind") == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fail.get("kind") == "hang":  # alive and stuck, as in a deadlock or a hung device call

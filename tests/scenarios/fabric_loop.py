@@ -7,11 +7,11 @@ accumulation under ``fabric.no_backward_sync``); rank r takes rows r, r + N, ...
 clipped by value, then by norm. Rank 0 also trains a plain copy of the initial model on the whole global batch in
 the same process (``reference``) for comparison.
 
-Other keys: ``fail`` ({rank, step, kind}: that rank raises, or SIGKILLs itself with ``kind="sigkill"``, at that
-global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each checkpoint write first sleeps
-that many seconds), ``exit_normally`` (end after training without teardown or ``os._exit``), ``raw_checks`` (after
-training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)`` round trips; results under ``raw`` in
-the rank's JSON).
+Other keys: ``fail`` ({rank, step, kind}: that rank raises, SIGKILLs itself with ``kind="sigkill"`` or sleeps an hour
+with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each
+checkpoint write first sleeps that many seconds), ``exit_normally`` (end after training without teardown or
+``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
+round trips; results under ``raw`` in the rank's JSON).
 """
 
 from __future__ import annotations
@@ -222,6 +222,8 @@ def main() -> None:
             if fail and fail["rank"] == rank and fail["step"] == state.get("global_step", 0):
                 if fail.get("kind") == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if fail.get("kind") == "hang":  # alive and stuck, as in a deadlock or a hung device call
+                    time.sleep(3600)
                 raise RuntimeError(f"boom in training_step on rank {rank}")
             total = torch.zeros((), device=fabric.device)
             micro = GLOBAL_BATCH // MICRO
