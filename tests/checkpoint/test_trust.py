@@ -267,3 +267,22 @@ def test_lightning_checkpoint_with_an_unusual_type_is_refused_with_the_way_to_al
     assert err.count("\n") == 0
     assert f"needs {COLOR}" in err
     assert "torch.serialization.add_safe_globals" in err
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_kept_distributed_reader_reads_the_metadata_once_for_many_reads(tmp_path, weights_only):
+    """A checkpoint read a tensor at a time (``pretrained_weights``, ``convert --to hf``) keeps one reader: its
+    metadata file is read once. After the first read the file may even vanish; a fresh reader then fails."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    saved = {"model": {f"w{i}": torch.randn(8, 4) for i in range(4)}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    reader = trust.storage_reader(tmp_path, weights_only=weights_only)
+    for i in range(4):
+        out = {"model": {f"w{i}": torch.empty(8, 4)}}
+        trust.read_distributed(tmp_path, out, DefaultLoadPlanner(), weights_only=weights_only, reader=reader)
+        assert torch.equal(out["model"][f"w{i}"], saved["model"][f"w{i}"])
+        (tmp_path / ".metadata").unlink(missing_ok=True)
+    with pytest.raises(Exception, match=r"\.metadata"):
+        trust.read_distributed(tmp_path, {"model": {"w0": torch.empty(8, 4)}}, DefaultLoadPlanner())

@@ -43,6 +43,7 @@ class TensorSource:
     _layout: list[dict[str, Any]] = field(default_factory=list)  # its FSDP1 flat parameters
     _owner: dict[str, str] = field(default_factory=dict)  # local: parameter name -> the key its shards are under
     _engine: int = 1
+    _reader: Any = None  # a sharded checkpoint's reader, its metadata read once for every tensor
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (each its own storage or a memory-mapped view); unknown names raise."""
@@ -71,7 +72,8 @@ class TensorSource:
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
         model = {n: torch.empty(self.entries[n][0], dtype=self.entries[n][1]) for n in names}
-        read_distributed(self.path, {"model": model}, DefaultLoadPlanner(), weights_only=self._weights_only)
+        planner = DefaultLoadPlanner()
+        read_distributed(self.path, {"model": model}, planner, weights_only=self._weights_only, reader=self._reader)
         return model
 
     def _read_fsdp2_local(self, name: str) -> torch.Tensor:
@@ -108,14 +110,15 @@ def open_source(path: str | os.PathLike[str], *, weights_only: bool = True) -> T
     if fmt == "sharded":
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = storage_reader(path, weights_only=weights_only).read_metadata()
+        reader = storage_reader(path, weights_only=weights_only)
+        metadata = reader.read_metadata()
         entries = {
             k.removeprefix("model."): (md.size, md.properties.dtype)
             for k, md in metadata.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
         }
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
-        return TensorSource(path, fmt, entries, rest, weights_only)
+        return TensorSource(path, fmt, entries, rest, weights_only, _reader=reader)
     return _open_local(path, weights_only)
 
 

@@ -150,8 +150,22 @@ def _check_bytes(data: io.BytesIO, where: Path, what: str, file: str) -> None:
 
 # ------------------------------------------------------------------------------------------ distributed checkpoint
 def storage_reader(path: Path, *, weights_only: bool = True) -> FileSystemReader:
-    """torch's reader of a distributed checkpoint; with ``weights_only``, one that unpickles nothing unsafe."""
-    return _SafeFileSystemReader(path) if weights_only else FileSystemReader(path)
+    """torch's reader of a distributed checkpoint; with ``weights_only``, one that unpickles nothing unsafe. It reads
+    the metadata file once: a reader kept for many reads (a checkpoint read a tensor at a time) does not unpickle
+    it again for each (several MB for a large model)."""
+    return _SafeFileSystemReader(path) if weights_only else _OnceFileSystemReader(path)
+
+
+class _OnceFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        key = (args, tuple(sorted(kwargs.items())))
+        cache = self.__dict__.setdefault("_lgf_metadata", {})
+        if key not in cache:
+            cache[key] = self._read_metadata(*args, **kwargs)
+        return cache[key]
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return super().read_metadata(*args, **kwargs)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -194,8 +208,8 @@ def _metadata_global(module: str, name: str) -> Any:
     return None
 
 
-class _SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+class _SafeFileSystemReader(_OnceFileSystemReader):
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
@@ -234,13 +248,16 @@ class _CheckedBytes:
         self._planner.load_bytes(read_item, value)
 
 
-def read_distributed(path: Path, state: dict[str, Any], planner: Any, *, weights_only: bool = True) -> None:
+def read_distributed(
+    path: Path, state: dict[str, Any], planner: Any, *, weights_only: bool = True, reader: Any = None
+) -> None:
     """Read a distributed checkpoint into ``state`` in this process alone (no collectives), through
-    :func:`storage_reader`. A refusal or damage surfaces as :class:`CheckpointError`, not wrapped by torch."""
+    :func:`storage_reader` (``reader``: one kept from an earlier read of the same checkpoint, its metadata already
+    read). A refusal or damage surfaces as :class:`CheckpointError`, not wrapped by torch."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    reader = storage_reader(path, weights_only=weights_only)
+    reader = reader if reader is not None else storage_reader(path, weights_only=weights_only)
     reader.read_metadata()  # a refusal of the metadata raised here, not folded into torch's fallbacks
     try:
         _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
