@@ -279,7 +279,9 @@ class Heartbeat:
         self._clock: _stuck.WaitClock | None = None
         self._published_wait = ""
         self._errors_seen = 0
-        self._told: set[int] = set()  # ranks whose own error this rank's heartbeat acknowledged
+        self._told: set[int] = set()  # ranks whose own error this rank acknowledged
+        self._own_error: int | None = None  # the order of this rank's own error among all recorded
+        self._acks_lock = threading.Lock()
 
     @staticmethod
     def available() -> bool:
@@ -352,28 +354,31 @@ class Heartbeat:
         _leave(f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} leaves ({why})")
 
     def _acknowledge_errors(self, store: Any) -> None:
-        """Print the first error another rank raised itself as soon as it is recorded, and acknowledge each: the
-        raising rank waits for that before it exits. (Under Lightning's launcher, rank 0's process is killed by the
-        launcher's observer soon after a rank it started exits, before its own collective failure is reported.)"""
-        run = self._run
-        count = store.add(_key("errors", "count", run), 0)
-        if count == self._errors_seen:
-            return
-        self._errors_seen = count
-        new = []
-        for r in range(self.world_size):
-            if r == self.rank or r in self._told:
-                continue
-            recorded = _read(store, _key("error", r, run))
-            if recorded is not None:
-                seq, peer, text = recorded.split("\n", 2)
-                if peer == "0":  # an error of its own, not a collective failing because of another rank
-                    new.append((int(seq), r, text))
-        for _, r, text in sorted(new):
-            if not self._told:
-                _say(f"[rank {self.rank}] lightning_gaudi_fsdp: rank {r} failed first with: {text}")
-            self._told.add(r)
-            store.add(_key("acks", r, run), 1)
+        """Print the first error another rank raised itself as soon as it is recorded (unless this rank's own came
+        first), and acknowledge each: the raising rank waits for that before it exits. (Under Lightning's launcher,
+        rank 0's process is killed by the launcher's observer soon after a rank it started exits, before its own
+        collective failure is reported.) Called by the heartbeat thread, and by a failing rank's main thread while it
+        waits for its own acknowledgements."""
+        with self._acks_lock:
+            run = self._run
+            count = store.add(_key("errors", "count", run), 0)
+            if count == self._errors_seen:
+                return
+            self._errors_seen = count
+            new = []
+            for r in range(self.world_size):
+                if r == self.rank or r in self._told:
+                    continue
+                recorded = _read(store, _key("error", r, run))
+                if recorded is not None:
+                    seq, peer, text = recorded.split("\n", 2)
+                    if peer == "0":  # an error of its own, not a collective failing because of another rank
+                        new.append((int(seq), r, text))
+            for seq, r, text in sorted(new):
+                if not self._told and (self._own_error is None or seq < self._own_error):
+                    _say(f"[rank {self.rank}] lightning_gaudi_fsdp: rank {r} failed first with: {text}")
+                self._told.add(r)
+                store.set(_key("ack", f"{r}/{self.rank}", run), "1")
 
     def _watch_wait(self, store: Any, clock: _stuck.WaitClock) -> None:
         """Publish where the main thread waits; past ``stuck_timeout`` in one call, end the job naming the ranks
@@ -476,6 +481,7 @@ class Heartbeat:
             text = f"{type(exception).__name__}: {exception}".strip().splitlines()[0][:500]
             store.set(_key("error", self.rank, run), f"{order}\n{int(peer_failure)}\n{text}")
             if not peer_failure:
+                self._own_error = order
                 self._await_acknowledgements(store)
                 return None
             gone = self._gone(store)
@@ -509,13 +515,17 @@ class Heartbeat:
         )
 
     def _await_acknowledgements(self, store: Any) -> None:
-        """After recording an error of this rank's own: wait (a few beats at most) until every other rank's
-        heartbeat printed it, so that a rank killed as soon as this one exits (Lightning's launcher kills the rest
-        of the job then) has said which rank failed first."""
+        """After recording an error of this rank's own: wait (a few beats at most) until every other rank printed
+        it or failed with an error of its own, so that a rank killed as soon as this one exits (Lightning's launcher
+        kills the rest of the job then) has said which rank failed first. Meanwhile this rank acknowledges the others'
+        errors itself, so that ranks failing together do not wait for each other."""
         deadline = time.monotonic() + 3 * self.interval_s
-        key = _key("acks", self.rank, self._run)
-        while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            self._acknowledge_errors(store)
+            others = [r for r in range(self.world_size) if r != self.rank and r not in self._told]
+            if not others or store.check([_key("ack", f"{self.rank}/{r}", self._run) for r in others]):
+                return
+            time.sleep(0.1)
 
     def _gone(self, store: Any) -> set[int]:
         """Ranks no longer running: by process id on this node (at once), by a stalled heartbeat elsewhere."""

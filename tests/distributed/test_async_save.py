@@ -46,7 +46,8 @@ def test_a_failed_background_write_raises_on_every_rank_at_the_next_save_and_at_
     assert not good.exists()  # the save that reported the failure did not start
     for rank in (0, 1):
         stderr = (run.out / f"rank{rank}.stderr").read_text()
-        final = re.findall(rf"CheckpointSaveError: Cannot save checkpoint '{re.escape(str(later))}': ([^\n]*)", stderr)
+        raised = rf"\.CheckpointSaveError: Cannot save checkpoint '{re.escape(str(later))}': ([^\n]*)"  # its traceback
+        final = re.findall(raised, stderr)
         assert final, stderr[-3000:]
         assert re.match(cause, final[0]), final[0]
         assert "written in the background (async_save=True)" in stderr
