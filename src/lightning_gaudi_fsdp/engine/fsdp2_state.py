@@ -58,8 +58,11 @@ def model_state_dict(model: Module, fmt: str) -> dict[str, Any]:
 
     if fmt == "full":
         return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
-    state = get_model_state_dict(model)
-    return _to_local(state) if fmt == "local" else state
+    if fmt == "local":
+        # The module's own names, which load_local looks up again; torch's get_model_state_dict would map every
+        # parameter's name first (about 20 ms here, on every save), for nothing a local checkpoint uses.
+        return _to_local(model.state_dict())
+    return get_model_state_dict(model)
 
 
 def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: int) -> dict[str, Any]:
