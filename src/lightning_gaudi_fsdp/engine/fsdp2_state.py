@@ -7,7 +7,10 @@ the ones FSDP1 writes: checkpoints cross engines.
   keys as FSDP1's sharded state dicts, so either engine reads the other's (and reshards).
 - ``local``: each rank's local shard of every parameter and of its optimizer state, as plain tensors.
 
-torch's ``torch.distributed.checkpoint.state_dict`` does the gathering and sharding.
+torch's ``torch.distributed.checkpoint.state_dict`` does the sharding, and the gathering where the package's own does
+not apply: for ``full``, each rank sends its dim-0 chunk of every parameter and optimizer state straight into a full
+tensor on rank 0 (FSDP1's piece sending, ``fsdp1_state.gather_pieces``), where torch all-gathers every tensor on
+every rank.
 """
 
 from __future__ import annotations
