@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
@@ -14,7 +15,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_gaudi_fsdp")
 
 
+@functools.cache
 def _dist_version(name: str) -> str | None:
+    # Cached: reading a distribution's metadata took about 6 ms, and every local save records the versions.
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

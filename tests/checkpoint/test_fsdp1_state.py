@@ -41,3 +41,7 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
     assert result["full_differences"] == []  # weights and optimizer state (by parameter id) on rank 0
     assert result["full_model_keys_in_order"]
     assert result["buffer_dtype"] == "torch.float32"  # bf16 buffers saved in their own dtype, as torch saves them
+    # local: the flat shards and buffers torch's hooks would give, without their all_gather_object per unit
+    assert result["local_same_as_torchs"]
+    assert result["local_keys"] == ["0._flat_param", "0.scale", "1._flat_param", "1.scale", "_flat_param"]
+    assert result["local_keys_with_foreign_hook"] == sorted([*result["local_keys"], "0.extra"])

@@ -84,6 +84,25 @@ def main() -> None:
             if fmt == "full" and rank == 0 and cfg["use_orig_params"]:
                 optim = FSDP.rekey_optim_state_dict(optim, OptimStateKeyType.PARAM_ID, model)
             theirs[fmt] = {"model": model.state_dict(), "optimizer_0": optim}
+    # The local state, read from the modules without FSDP's state-dict hooks, holds what torch's hooks build: each
+    # unit's flat-parameter shard and every entry FSDP does not manage, bitwise (and is the same memory).
+    local_ours = formats.model_state_dict(model, "local", "cpu")
+    with formats.state_dict_context(model, "local", "cpu"):
+        local_theirs = {
+            key: (value.local_shards()[0].tensor if hasattr(value, "local_shards") else value)
+            for key, value in model.state_dict().items()
+        }
+    local_expected = [k for k in local_theirs if k.endswith("_flat_param") or k.endswith("scale")]
+    local_same = sorted(local_ours) == sorted(local_expected) and all(
+        torch.equal(local_ours[k], local_theirs[k]) and local_ours[k].data_ptr() == local_theirs[k].data_ptr()
+        for k in local_ours
+    )
+    # A module with a state-dict hook of its own: the local state then comes from torch's state_dict(), hook included.
+    hook = model.module[0]._fsdp_wrapped_module._register_state_dict_hook(
+        lambda module, state, prefix, local_metadata: state.__setitem__(prefix + "extra", torch.ones(1))
+    )
+    local_with_hook = sorted(formats.model_state_dict(model, "local", "cpu"))
+    hook.remove()
     for name, state in (("ours", ours["sharded"]), ("theirs", theirs["sharded"])):
         dcp.save(state, checkpoint_id=out / name)
     dist.barrier()
@@ -104,6 +123,9 @@ def main() -> None:
                 ),
                 "full_model_keys_in_order": list(ours["full"]["model"]) == list(theirs["full"]["model"]),
                 "buffer_dtype": str(ours["full"]["model"]["0.scale"].dtype),
+                "local_same_as_torchs": local_same,
+                "local_keys": sorted(local_ours),
+                "local_keys_with_foreign_hook": local_with_hook,
             },
         )
     dist.barrier()

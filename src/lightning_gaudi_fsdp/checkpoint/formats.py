@@ -136,18 +136,59 @@ def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, An
     """The local state dict: each rank's flat-parameter shard (with ``flat``) and every entry FSDP does not manage
     (buffers, ignored parameters). Tensors are moved to the CPU, not copied there: a synchronous save writes them
     before training goes on, an asynchronous one stages them into its own buffers first."""
-    with state_dict_context(model, "local", device_type):
-        state = model.state_dict()
+    state = _local_state_without_hooks(model)
+    if state is None:
+        with state_dict_context(model, "local", device_type):
+            state = model.state_dict()
     managed = _managed_names(model)
     local: dict[str, Any] = {}
     for key, value in state.items():
         if key.endswith(FLAT_PARAM):
             if flat:
-                shards = value.local_shards()
-                local[key] = shards[0].tensor.detach().to("cpu") if shards else torch.empty(0)
+                if isinstance(value, torch.Tensor) and hasattr(value, "local_shards"):  # torch's ShardedTensor
+                    shards = value.local_shards()
+                    value = shards[0].tensor if shards else torch.empty(0)
+                local[key] = value.detach().to("cpu")
         elif key not in managed:
             local[key] = value.detach().to("cpu")
     return local
+
+
+_FSDP1_HOOK_MODULES = (
+    "torch.distributed.fsdp._state_dict_utils",  # FSDP's own state-dict hooks
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",  # strips the activation-checkpointing prefix
+)
+
+
+def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
+    """``model.state_dict()`` under FSDP's local state-dict type, read from the modules themselves (each module's
+    own ``_save_to_state_dict``, so persistent buffers, extra state and overrides are as ``state_dict`` has them), and
+    with each unit's flat-parameter shard as a plain tensor. FSDP's hook would wrap every shard in a ``ShardedTensor``,
+    one ``all_gather_object`` per unit, which a save only unwraps again: on two CPU ranks that was about a third of
+    the time an asynchronous local save blocked training. ``None`` when a module carries state-dict hooks other
+    than FSDP's and the checkpoint wrapper's (the caller then asks ``state_dict()``)."""
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
+
+    modules = list(model.named_modules(remove_duplicate=False))
+    for _, module in modules:
+        hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
+        if any(getattr(getattr(h, "func", h), "__module__", None) not in _FSDP1_HOOK_MODULES for h in hooks):
+            return None
+    state: dict[str, Any] = {}
+    for name, module in modules:
+        own: dict[str, Any] = {}
+        module._save_to_state_dict(own, f"{name}." if name else "", False)
+        state.update((_clean(key), value) for key, value in own.items() if not key.endswith(FLAT_PARAM))
+        handle = module._handle if isinstance(module, FullyShardedDataParallel) else None
+        if handle is not None:
+            if not handle.uses_sharded_strategy:
+                return None  # torch's own path raises its error for a local state dict without sharding
+            flat_param = handle.flat_param
+            valid = flat_param.numel() - flat_param._shard_numel_padded  # the shard without FSDP's padding
+            state[_join(_clean(name), FLAT_PARAM)] = flat_param.detach()[:valid] if valid > 0 else torch.empty(0)
+    return state
 
 
 def optimizer_state_dict(

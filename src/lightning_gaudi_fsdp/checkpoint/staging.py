@@ -83,16 +83,22 @@ class HostStager:
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, ShardedTensor):
-            # The shards are copied straight from their device; the placements then name the host.
-            metadata = copy.deepcopy(value.metadata())
-            metadata.tensor_properties.pin_memory = False
-            metadata.tensor_properties.requires_grad = False
-            for shard_metadata in metadata.shards_metadata:
-                _place_on_host(shard_metadata)
+            # The shards are copied straight from their device; the placements then name the host. Metadata that
+            # already does (a CPU run) is shared with the original rather than deep-copied: nothing changes it.
+            metadata = value.metadata()
+            properties = metadata.tensor_properties
+            if properties.pin_memory or properties.requires_grad or not _on_host(metadata.shards_metadata):
+                metadata = copy.deepcopy(metadata)
+                metadata.tensor_properties.pin_memory = False
+                metadata.tensor_properties.requires_grad = False
+                for shard_metadata in metadata.shards_metadata:
+                    _place_on_host(shard_metadata)
             shards = []
             for i, shard in enumerate(value.local_shards()):
-                shard_metadata = copy.deepcopy(shard.metadata)
-                _place_on_host(shard_metadata)
+                shard_metadata = shard.metadata
+                if not _on_host([shard_metadata]):
+                    shard_metadata = copy.deepcopy(shard_metadata)
+                    _place_on_host(shard_metadata)
                 shards.append(Shard(self._buffer(shard.tensor, (*path, "shard", i), used), shard_metadata))
             return ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, metadata, process_group=value._process_group
@@ -115,6 +121,10 @@ class HostStager:
         buffer.copy_(source)
         used[path] = buffer
         return buffer
+
+
+def _on_host(shards_metadata: list[Any]) -> bool:
+    return all(m.placement is None or m.placement.device().type == "cpu" for m in shards_metadata)
 
 
 def _place_on_host(shard_metadata: Any) -> None:

@@ -275,7 +275,7 @@ def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]
         for unit in _units(model)
         for param in unit.params
     ]
-    full = _gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces])
+    full = gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces])
     if dist.get_rank() != 0:
         return {}
     gathered = {param.fqn: tensor for (param, _), tensor in zip(pieces, full, strict=True)}
@@ -344,7 +344,7 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
             targets.append((param.fqn, key))
     if not (ok and all(rank_ok for rank_ok, _ in everyone)):
         return None
-    full = _gather_pieces(pieces)
+    full = gather_pieces(pieces)
     if dist.get_rank() != 0:
         return {}
     ids = {id(p): i for i, p in enumerate(model.parameters())}
@@ -362,8 +362,9 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def _gather_pieces(pieces: list[tuple[_Param, torch.Tensor | None, Any, torch.dtype]]) -> list[Any]:
-    """For each ``(param, this rank's piece, ranks sending pieces, dtype)``, rank 0 receives every sender's piece
+def gather_pieces(pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]]) -> list[Any]:
+    """For each ``(param, this rank's piece, ranks sending pieces, dtype)`` (``param``: its ``shape`` and each rank's
+    ``spans``, elements ``[start, end)`` of the flattened parameter), rank 0 receives every sender's piece
     straight into one host tensor of the parameter's shape (its own piece is copied in) and returns those tensors;
     other ranks get ``None`` for each. Every rank passes the same list in the same order, and message ``i`` carries
     tag ``i``, so no two are confused; all are in flight at once."""

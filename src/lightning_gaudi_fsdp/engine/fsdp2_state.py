@@ -7,13 +7,17 @@ the ones FSDP1 writes: checkpoints cross engines.
   keys as FSDP1's sharded state dicts, so either engine reads the other's (and reshards).
 - ``local``: each rank's local shard of every parameter and of its optimizer state, as plain tensors.
 
-torch's ``torch.distributed.checkpoint.state_dict`` does the gathering and sharding.
+torch's ``torch.distributed.checkpoint.state_dict`` does the sharding, and the gathering where the package's own does
+not apply: for ``full``, each rank sends its dim-0 chunk of every parameter and optimizer state straight into a full
+tensor on rank 0 (FSDP1's piece sending, ``fsdp1_state.gather_pieces``), where torch all-gathers every tensor on
+every rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import Module
@@ -53,13 +57,120 @@ def _to_local(value: Any) -> Any:
     return value
 
 
+class _Layout(NamedTuple):
+    """Where each rank's dim-0 chunk of a parameter lies in the flattened parameter (FSDP2 cuts as ``torch.chunk``)."""
+
+    shape: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+
+
+def _layout(shape: tuple[int, ...], world_size: int) -> _Layout:
+    rows, row = shape[0], math.prod(shape[1:])
+    chunk = math.ceil(rows / world_size)
+    return _Layout(
+        shape, tuple((min(r * chunk, rows) * row, min((r + 1) * chunk, rows) * row) for r in range(world_size))
+    )
+
+
+def _gathers_to_rank0(model: Module) -> bool:
+    """Whether :func:`full_model_state_dict` applies: every parameter a DTensor sharded on dim 0 over a 1-D mesh of
+    all ranks of the default group, in host memory (the pieces travel over the default group)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    ranks = list(range(dist.get_world_size()))
+    return all(
+        isinstance(p, DTensor)
+        and p.dim() > 0
+        and tuple(p.placements) == (Shard(0),)
+        and p.device_mesh.ndim == 1
+        and p.device_mesh.mesh.tolist() == ranks
+        and p.to_local().device.type == "cpu"
+        for p in model.parameters()
+    )
+
+
+def _full_pieces(values: list[Any]) -> list[Any]:
+    """Each DTensor of ``values`` as a full host tensor on rank 0 (``None`` on the others), each rank sending its
+    chunk straight into it; anything else as it is."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.engine.fsdp1_state import gather_pieces
+
+    world_size = dist.get_world_size()
+    pieces = []
+    for value in values:
+        if isinstance(value, DTensor):
+            layout = _layout(tuple(value.shape), world_size)
+            local = value.to_local().detach().reshape(-1)
+            lo, hi = layout.spans[dist.get_rank()]
+            if local.numel() != hi - lo:
+                raise RuntimeError(
+                    f"a DTensor of shape {tuple(value.shape)} holds {local.numel()} elements here, not {hi - lo}"
+                )
+            pieces.append((layout, local, range(world_size), value.dtype))
+    gathered = iter(gather_pieces(pieces))
+    return [next(gathered) if isinstance(v, DTensor) else v for v in values]
+
+
+def full_model_state_dict(model: Module) -> dict[str, Any]:
+    """The full model state dict on rank 0 (``{}`` elsewhere), as ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)`` gives it, without its all-gather of every parameter on every rank."""
+    import torch.distributed as dist
+
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    state = model.state_dict()
+    values = _full_pieces([v.detach() if isinstance(v, torch.Tensor) else v for v in state.values()])
+    if dist.get_rank() != 0:
+        return {}
+    return {
+        _clean(key): value.to("cpu") if isinstance(value, torch.Tensor) else value
+        for key, value in zip(state, values, strict=True)
+    }
+
+
+def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The full optimizer state on rank 0 (``{}`` elsewhere) keyed by the index of each parameter in
+    ``model.parameters()``, as torch's full optimizer state dict rekeyed by :func:`_keyed_by_id`, gathered as
+    :func:`full_model_state_dict` gathers weights."""
+    import torch.distributed as dist
+
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    entries = [
+        (ids[id(p)], key, value.detach() if isinstance(value, torch.Tensor) else value)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key, value in optimizer.state.get(p, {}).items()
+    ]
+    values = _full_pieces([value for _, _, value in entries])
+    if dist.get_rank() != 0:
+        return {}
+    state: dict[int, dict[str, Any]] = {}
+    for (index, key, _), value in zip(entries, values, strict=True):
+        state.setdefault(index, {})[key] = value.to("cpu") if isinstance(value, torch.Tensor) else value
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [ids[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
 def model_state_dict(model: Module, fmt: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if fmt == "full" and _gathers_to_rank0(model):
+        return full_model_state_dict(model)
     if fmt == "full":
         return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
-    state = get_model_state_dict(model)
-    return _to_local(state) if fmt == "local" else state
+    if fmt == "local":
+        # The module's own names, which load_local looks up again; torch's get_model_state_dict would map every
+        # parameter's name first (about 20 ms here, on every save), for nothing a local checkpoint uses.
+        return _to_local(model.state_dict())
+    return get_model_state_dict(model)
 
 
 def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: int) -> dict[str, Any]:
@@ -69,6 +180,8 @@ def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: in
         return _to_local(optimizer.state_dict())
     if fmt == "sharded":
         return get_optimizer_state_dict(model, optimizer)
+    if _gathers_to_rank0(model):
+        return full_optimizer_state_dict(model, optimizer)
     state = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return {}
