@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TINY_LLAMA
 from lightning_gaudi_fsdp import options
 from lightning_gaudi_fsdp._activation_checkpointing import apply_activation_checkpointing
 
@@ -17,16 +18,7 @@ LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 
 def _llama(use_cache: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=use_cache,
-    )
+    config = transformers.LlamaConfig(**TINY_LLAMA, use_cache=use_cache)
     return transformers.LlamaForCausalLM(config)
 
 
