@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -339,8 +339,7 @@ class Heartbeat:
             f"lightning_gaudi_fsdp: rank {self.rank} of {self.world_size} ({_where()}) is {why}. Every thread's "
             "Python stack (the main thread's shows where it is stuck):"
         )
-        order = store.add(_key("errors", "count", run), 1)
-        store.set(_key("error", self.rank, run), f"{order}\n0\n{why}")
+        _record_error(store, self.rank, run, why, peer_failure=False)
         store.set(_key("dumped", self.rank, run), "1")
         # Leave after the asking rank: until then its collective stays blocked (no transport error, no second
         # report there); under a launcher that ends the job when one rank exits, this rank is ended with it.
@@ -365,15 +364,9 @@ class Heartbeat:
             if count == self._errors_seen:
                 return
             self._errors_seen = count
-            new = []
-            for r in range(self.world_size):
-                if r == self.rank or r in self._told:
-                    continue
-                recorded = _read(store, _key("error", r, run))
-                if recorded is not None:
-                    seq, peer, text = recorded.split("\n", 2)
-                    if peer == "0":  # an error of its own, not a collective failing because of another rank
-                        new.append((int(seq), r, text))
+            unseen = [r for r in range(self.world_size) if r != self.rank and r not in self._told]
+            # errors of their own, not collectives failing because of another rank
+            new = [(seq, r, text) for seq, r, peer, text in _recorded_errors(store, unseen, run) if not peer]
             for seq, r, text in sorted(new):
                 if not self._told and (self._own_error is None or seq < self._own_error):
                     _say(f"[rank {self.rank}] lightning_gaudi_fsdp: rank {r} failed first with: {text}")
@@ -477,20 +470,14 @@ class Heartbeat:
         run = self._run
         try:
             store = _connect(timeout_s=3)
-            order = store.add(_key("errors", "count", run), 1)
             text = f"{type(exception).__name__}: {exception}".strip().splitlines()[0][:500]
-            store.set(_key("error", self.rank, run), f"{order}\n{int(peer_failure)}\n{text}")
+            order = _record_error(store, self.rank, run, text, peer_failure)
             if not peer_failure:
                 self._own_error = order
                 self._await_acknowledgements(store)
                 return None
             gone = self._gone(store)
-            errors = []
-            for r in range(self.world_size):
-                recorded = _read(store, _key("error", r, run))
-                if recorded is not None:
-                    seq, peer, text = recorded.split("\n", 2)
-                    errors.append((int(seq), r, peer == "1", text))
+            errors = _recorded_errors(store, range(self.world_size), run)
         except Exception as err:  # noqa: BLE001 - failing to talk to the store is the finding itself
             if not peer_failure:
                 return None
@@ -579,6 +566,25 @@ def _dump_stacks(header: str) -> None:
     sys.stderr.write(header + "\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+def _record_error(store: Any, rank: int, run: str, text: str, peer_failure: bool) -> int:
+    """Record ``rank``'s error, numbered in the order errors reach the store; ``peer_failure``: a collective failing
+    because of another rank, not an error of its own. Returns its number."""
+    order = store.add(_key("errors", "count", run), 1)
+    store.set(_key("error", rank, run), f"{order}\n{int(peer_failure)}\n{text}")
+    return order
+
+
+def _recorded_errors(store: Any, ranks: Iterable[int], run: str) -> list[tuple[int, int, bool, str]]:
+    """(number, rank, peer_failure, text) of each error :func:`_record_error` recorded for ``ranks``."""
+    errors = []
+    for r in ranks:
+        recorded = _read(store, _key("error", r, run))
+        if recorded is not None:
+            seq, peer, text = recorded.split("\n", 2)
+            errors.append((int(seq), r, peer == "1", text))
+    return errors
 
 
 def _wait_for_keys(store: Any, keys: list[str], bound_s: float) -> None:
