@@ -9,12 +9,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._shared import gather_objects
-from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint import formats, loading, storage
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 
 T = TypeVar("T")
@@ -42,9 +43,18 @@ def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSa
     return BackgroundSaver(timeout) if options.resolve_bool(async_save, "async_save") else None
 
 
-def save_checkpoint(door: Any, checkpoint: dict[str, Any], path: Path, local_metadata: Any) -> None:
+def save_checkpoint(
+    door: Any,
+    checkpoint: dict[str, Any],
+    path: Path,
+    local_metadata: Any,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+) -> None:
     """Write ``checkpoint`` in the door's ``state_dict_type`` with the commit protocol; in the background when the
-    door's saver is active (see :mod:`.checkpoint.background`), else before returning."""
+    door's saver is active (see :mod:`.checkpoint.background`), else before returning. In the background, the copies
+    of ``model``'s parameters and ``optimizers``' state are made after this returns (see :func:`written_by_step`):
+    the door calls :func:`wait_for_copies` before its next optimizer step."""
     save = functools.partial(
         formats.save,
         door._state_dict_type,
@@ -68,9 +78,38 @@ def save_checkpoint(door: Any, checkpoint: dict[str, Any], path: Path, local_met
             lambda staged, gather_in_thread, group: save(staged, gather=gather_in_thread, process_group=group),
             rank=door.global_rank,
             gather=gather,
+            defer=written_by_step(model, optimizers),
         )
         return
     save(checkpoint, gather=gather)
+
+
+def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor of a checkpoint shares its memory with ``model``'s parameters (FSDP1's flat parameters
+    included) or ``optimizers``' state: what only an optimizer step writes, so an asynchronous save may copy it
+    while the next forward and backward run. Host memory only: off an accelerator the copy is made at once, into
+    pinned memory at DMA speed."""
+    tensors = [*model.parameters()]
+    tensors += [module._handle.flat_param for module in model.modules() if getattr(module, "_handle", None)]
+    for optimizer in optimizers:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    live = {
+        local.untyped_storage().data_ptr()
+        for tensor in tensors
+        for local in storage.local_tensors(tensor) or ()
+        if local.device.type == "cpu"
+    }
+
+    def written(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in live
+
+    return written
+
+
+def wait_for_copies(door: Any) -> None:
+    """Before an optimizer step: wait until the asynchronous save in flight has copied what the step writes."""
+    if door._background is not None:
+        door._background.wait_staged(rank=door.global_rank)
 
 
 def wait_for_saves(door: Any, waiting: str) -> None:

@@ -197,6 +197,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
 
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        _checkpoints.wait_for_copies(self)  # an asynchronous save copies what the step writes after fabric.save
+        return super().optimizer_step(optimizer, **kwargs)
+
     # ------------------------------------------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(
@@ -240,7 +245,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if self._background is not None and not self._waits_at_exit:
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
-        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, list(optimizers.values()))
 
     def _wait_at_exit(self) -> None:
         # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.

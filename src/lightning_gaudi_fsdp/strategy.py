@@ -325,6 +325,10 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._background is not None:
+            # The closure runs the forward and backward, inside optimizer.step() and before it writes anything: an
+            # asynchronous save's copies are waited for after it, so they overlap the forward and backward.
+            closure = functools.partial(_then_wait_for_copies, closure, self)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._compile_kwargs is not None:
             # FSDP keeps the sharded gradient on the flat parameter while the next forward unshards its data;
@@ -373,8 +377,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
-        metadata = _checkpoints.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
-        _checkpoints.save_checkpoint(self, checkpoint, path, metadata)
+        model = self._wrapped_model()
+        metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, optimizers)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, self.optimizers)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -502,3 +507,9 @@ def _count_param_groups(optimizers: Any) -> int:
 
     visit(optimizers)
     return max((len(opt.param_groups) for opt in found), default=0)
+
+
+def _then_wait_for_copies(closure: Callable[[], Any], strategy: GaudiFSDPStrategy) -> Any:
+    output = closure()
+    _checkpoints.wait_for_copies(strategy)
+    return output

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import background, formats
+from lightning_gaudi_fsdp.checkpoint import background, formats, staging
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
-from lightning_gaudi_fsdp.checkpoint.staging import HostStager
+from lightning_gaudi_fsdp.checkpoint.staging import HostStager, StagedStateChanged
 from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
 
 pytestmark = pytest.mark.versions
@@ -88,6 +88,72 @@ def test_staging_buffers_come_from_the_allocator_given_and_are_reused():
     stager.use(allocate)  # the same allocator again keeps them
     stager.stage(checkpoint)
     assert len(made) == 5
+
+
+def test_deferred_copies_are_made_later_and_refuse_a_source_written_in_between():
+    checkpoint = _checkpoint()
+    weight, exp_avg = checkpoint["state_dict"]["weight"], checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]
+    bias = checkpoint["state_dict"]["bias"]
+    live = {weight.untyped_storage().data_ptr(), exp_avg.untyped_storage().data_ptr()}
+    stager = HostStager()
+    staged, later = stager.stage_later(checkpoint, lambda t: t.untyped_storage().data_ptr() in live)
+    assert [path for path, *_ in later.copies] == [
+        ("state_dict", "weight"),
+        ("optimizer_states", 0, "state", 0, "exp_avg"),
+    ]
+    assert later.nbytes == 2 * 6 * 4
+    bias.add_(5)  # not deferred: copied before stage_later returned
+    assert torch.equal(staged["state_dict"]["bias"], torch.zeros(3))
+    later.run()  # nothing wrote the deferred sources: the copies are the state at the save
+    assert torch.equal(staged["state_dict"]["weight"], torch.arange(6.0).reshape(2, 3))
+    assert staged["state_dict"]["tied"] is staged["state_dict"]["weight"]
+    assert torch.equal(staged["optimizer_states"][0]["state"][0]["exp_avg"], torch.ones(2, 3))
+
+    staged, later = stager.stage_later(checkpoint, lambda t: t.untyped_storage().data_ptr() in live)
+    with torch.no_grad():
+        weight[0].mul_(2)  # an in-place write through a view, before the copy was made
+    with pytest.raises(StagedStateChanged) as raised:
+        later.run()
+    assert str(raised.value).startswith(
+        "'state_dict/weight' changed in place after save_checkpoint returned and before the background copy of the "
+        "checkpoint was made; the copy would mix two training steps, so it is not written."
+    )
+    assert "needs async_save=False" in str(raised.value)
+
+
+def test_a_deferred_copy_overlaps_the_caller_and_a_source_written_before_it_fails_the_save(monkeypatch):
+    saver, write = BackgroundSaver(), _SlowWrite()
+    weight = torch.ones(4)
+    saver.save({"w": weight}, Path("ok.ckpt"), write, rank=0, gather=_alone, defer=lambda t: t is not None)
+    saver.wait_staged(rank=0)  # the copy ran in the thread; the write waits for the test
+    assert saver._job.staged.is_set()
+    assert not saver._job.done.is_set()
+    weight.add_(1)  # the optimizer step, after the copy: the checkpoint keeps the state at the save
+    write.go.set()
+    saver.wait(rank=0, gather=_alone)
+    assert torch.equal(write.seen[0][0]["w"], torch.ones(4))
+
+    gate, run = threading.Event(), staging.DeferredCopies.run
+
+    def held(self):  # the background copy starts only once the test has written the source
+        assert gate.wait(10)
+        run(self)
+
+    monkeypatch.setattr(staging.DeferredCopies, "run", held)
+    second = _SlowWrite()
+    second.go.set()
+    saver.save({"w": weight}, Path("bad.ckpt"), second, rank=0, gather=_alone, defer=lambda t: True)
+    with torch.no_grad():
+        weight.add_(1)
+    gate.set()
+    saver._job.staged.wait(10)
+    with pytest.raises(CheckpointSaveError) as raised:
+        saver.finish(rank=0, gather=_alone)
+    assert str(raised.value).startswith(
+        "Cannot save checkpoint 'bad.ckpt': failed while copying the checkpoint in the background: "
+        "StagedStateChanged: 'w' changed in place"
+    )
+    assert second.seen == []  # nothing was written
 
 
 class _SlowWrite:

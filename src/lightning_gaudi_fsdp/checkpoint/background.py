@@ -7,6 +7,11 @@ ranks' threads over a process group of its own (gloo, created on the first save)
 whose collectives the training loop issues at the same time: one group used from two threads at once mixes up the
 messages of both.
 
+With ``defer`` (see :meth:`.staging.HostStager.stage_later`) the tensors only the optimizer step writes (parameters
+and optimizer state in host memory) are copied by that thread too, first, while training goes on; the doors call
+:meth:`BackgroundSaver.wait_staged` before the next optimizer step. A tensor written in place before its copy was made
+fails that save on every rank (the copy would mix two steps); the ranks agree on the copies before anything is written.
+
 So a background checkpoint is crash-safe exactly as a synchronous one: it becomes visible under its final name only
 after every rank's thread wrote its part and they all agreed, and a kill in between leaves the previous checkpoint.
 Removals of older checkpoints asked for while a save is in flight (``ModelCheckpoint``'s top-k rotation asks right
@@ -32,12 +37,13 @@ import torch.distributed
 
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import storage
-from lightning_gaudi_fsdp.checkpoint.staging import HostStager
+from lightning_gaudi_fsdp.checkpoint.staging import Defer, DeferredCopies, HostStager
 
 log = logging.getLogger(__name__)
 
 LONG_WAIT_S = 10.0  # a save waiting longer than this for the previous one says so
 STAGE = "failed while writing in the background"
+COPY_STAGE = "failed while copying the checkpoint in the background"
 
 # write(staged_checkpoint, gather, process_group): the save protocol, run in the background thread with the
 # background group's all-gather (``process_group`` is None without a process group).
@@ -49,6 +55,7 @@ class _Job:
     path: Path
     started: float
     done: threading.Event = field(default_factory=threading.Event)
+    staged: threading.Event = field(default_factory=threading.Event)  # every tensor copied (or the copy failed)
     error: BaseException | None = None
     committed: bool = False
     removals: list[Callable[[], None]] = field(default_factory=list)
@@ -70,32 +77,63 @@ class BackgroundSaver:
         self._group: Any = None
         self._group_made = False
         self.active = False  # whether saves go to the background now (the strategy arms it while fit runs)
+        self.staging_waited = 0.0  # seconds wait_staged blocked, in all (for the benchmark)
 
     @property
     def in_flight(self) -> bool:
         job = self._job
         return job is not None and not job.done.is_set()
 
-    def save(self, checkpoint: Any, path: Path, write: Write, *, rank: int, gather: storage.Gather) -> float:
+    def save(
+        self,
+        checkpoint: Any,
+        path: Path,
+        write: Write,
+        *,
+        rank: int,
+        gather: storage.Gather,
+        defer: Defer | None = None,
+    ) -> float:
         """Wait for the previous save (raising its failure on every rank), stage ``checkpoint`` and start writing it
-        in the background. Returns the seconds this call blocked."""
+        in the background; the tensors ``defer`` picks are copied in the background first (every rank passes a
+        ``defer`` or none). Returns the seconds this call blocked."""
         started = time.monotonic()
         self.wait(rank=rank, gather=gather, waiting=f"the save of {str(path)!r}")
         waited = time.monotonic() - started
-        staged = self._stager.stage(checkpoint)
+        staged, later = self._stager.stage_later(checkpoint, defer)
         group = self._process_group()
         job = _Job(Path(path), time.monotonic())
+        if not later.copies:
+            job.staged.set()
         thread = threading.Thread(
-            target=self._run, args=(job, staged, write, group), name=f"checkpoint save {path}", daemon=True
+            target=self._run,
+            args=(job, staged, later if defer is not None else None, write, group, rank),
+            name=f"checkpoint save {path}",
+            daemon=True,
         )
         self._job = job
         thread.start()
         blocked = time.monotonic() - started
         log.debug(
             f"[rank {rank}] {str(path)!r}: waited {waited:.3f}s for the previous save, staged "
-            f"{storage.human_bytes(self._stager.nbytes)} in {blocked - waited:.3f}s"
+            f"{storage.human_bytes(self._stager.nbytes - later.nbytes)} in {blocked - waited:.3f}s, "
+            f"{storage.human_bytes(later.nbytes)} left to copy in the background"
         )
         return blocked
+
+    def wait_staged(self, *, rank: int) -> float:
+        """Wait until the save in flight has copied every tensor (before anything writes parameters or optimizer
+        state again). Returns the seconds it waited."""
+        job = self._job
+        if job is None or job.staged.is_set():
+            return 0.0
+        started = time.monotonic()
+        if not job.staged.wait(LONG_WAIT_S):
+            log.warning(f"[rank {rank}] the optimizer step waits for the background copy of {str(job.path)!r}")
+            job.staged.wait()
+        waited = time.monotonic() - started
+        self.staging_waited += waited
+        return waited
 
     def defer_removal(self, remove: Callable[[], None]) -> None:
         """Run ``remove`` once the save in flight has committed (now, if none is in flight); never if it failed."""
@@ -178,12 +216,16 @@ class BackgroundSaver:
         if group is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group(group)
 
-    def _run(self, job: _Job, staged: Any, write: Write, group: Any) -> None:
+    def _run(self, job: _Job, staged: Any, later: DeferredCopies | None, write: Write, group: Any, rank: int) -> None:
         try:
-            write(staged, _gather_over(group), group)
+            gather = _gather_over(group)
+            if later is not None:
+                _copy_agreed(job.path, later, job.staged, gather, rank)
+            write(staged, gather, group)
         except BaseException as err:  # noqa: BLE001 - reported to every rank at the next save or at the end of fit
             with self._lock:
                 job.error = err
+            job.staged.set()
             job.done.set()
             return
         with self._lock:
@@ -192,6 +234,22 @@ class BackgroundSaver:
         for remove in removals:
             _remove(remove)
         job.done.set()
+
+
+def _copy_agreed(path: Path, later: DeferredCopies, staged: threading.Event, gather: storage.Gather, rank: int) -> None:
+    """Make the deferred copies, then learn every rank's outcome: if any rank's copy failed, every rank raises the
+    same :class:`~.storage.CheckpointSaveError` before anything is written."""
+    error: BaseException | None = None
+    try:
+        later.run()
+    except Exception as err:  # noqa: BLE001 - agreed below
+        error = err
+    finally:
+        staged.set()
+    reports = gather(storage.failures_of(error, rank, COPY_STAGE) if error is not None else [])
+    failures = storage.merge_reports(reports)
+    if failures:
+        raise storage.CheckpointSaveError(path, failures, len(reports)) from error
 
 
 def _gather_over(group: Any) -> storage.Gather:

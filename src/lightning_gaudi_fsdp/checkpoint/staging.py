@@ -6,6 +6,13 @@ same buffers each time, so after the first save staging allocates nothing. Conta
 and every other value is deep-copied, so nothing in the staged checkpoint changes when training does. Nothing here
 knows state-dict formats, files, process groups or devices: who allocates the buffers (page-locked memory, to stage
 off an accelerator at full speed) is the caller's choice.
+
+:meth:`HostStager.stage_later` leaves the copies of the tensors it picks for later: it returns them as
+:class:`DeferredCopies`, which the caller runs in another thread while training goes on, as long as nothing writes
+those tensors in between (the caller waits for the copies before the optimizer step, which is what writes
+parameters and optimizer state). Each deferred tensor's version counter is read when it is staged and again after its
+copy: a tensor written in place in between (by anything: a hook, a second optimizer) makes :meth:`DeferredCopies.run`
+raise :class:`StagedStateChanged` instead of returning a copy that mixes two steps.
 """
 
 from __future__ import annotations
@@ -20,6 +27,41 @@ _Path = tuple[Any, ...]
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 # allocate(shape, dtype): an empty host tensor for a staging buffer
 Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
+# defer(tensor): whether the copy of this tensor may be made later (see DeferredCopies)
+Defer = Callable[[torch.Tensor], bool]
+
+
+class StagedStateChanged(RuntimeError):
+    """A tensor whose copy was deferred was written in place before the copy was made."""
+
+
+class DeferredCopies:
+    """The copies :meth:`HostStager.stage` left for later: ``(path, buffer, source, source version)`` each."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[_Path, torch.Tensor, torch.Tensor, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for _, buffer, _, _ in self.copies)
+
+    def run(self) -> None:
+        """Make the copies; raise :class:`StagedStateChanged`, naming the entries, if any source changed since it
+        was staged (the copy would then hold part of a later step)."""
+        with torch.no_grad():
+            for _, buffer, source, _ in self.copies:
+                buffer.copy_(source)
+        changed = [path for path, _, source, version in self.copies if source._version != version]
+        if changed:
+            names = ", ".join(repr("/".join(str(k) for k in path)) for path in changed[:3])
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise StagedStateChanged(
+                f"{names}{more} changed in place after save_checkpoint returned and before the background copy of "
+                "the checkpoint was made; the copy would mix two training steps, so it is not written. Training "
+                "waits for that copy only before the optimizer step: code that writes parameters or optimizer state "
+                "between a save and the next optimizer step (a hook, a raw optimizer.step() call) needs "
+                "async_save=False"
+            )
 
 
 class HostStager:
@@ -31,6 +73,8 @@ class HostStager:
     def __init__(self, allocate: Allocate | None = None) -> None:
         self._buffers: dict[_Path, torch.Tensor] = {}
         self._allocate = allocate
+        self._defer: Defer | None = None
+        self._later: DeferredCopies | None = None
 
     def use(self, allocate: Allocate | None) -> None:
         """Make later buffers with ``allocate`` (``None``: ordinary host memory); buffers made otherwise are
@@ -46,12 +90,22 @@ class HostStager:
 
     def stage(self, obj: Any) -> Any:
         """A copy of ``obj`` whose tensors live in this stager's host buffers."""
+        return self.stage_later(obj, None)[0]
+
+    def stage_later(self, obj: Any, defer: Defer | None) -> tuple[Any, DeferredCopies]:
+        """As :meth:`stage`, but the tensors ``defer`` picks are not copied yet: their buffers fill when the returned
+        :class:`DeferredCopies` runs."""
         used: dict[_Path, torch.Tensor] = {}
         memo: dict[int, Any] = {}  # one tensor seen twice (tied weights) stays one tensor
-        with torch.no_grad():
-            staged = self._copy(obj, (), used, memo)
+        later = DeferredCopies()
+        self._defer, self._later = defer, later
+        try:
+            with torch.no_grad():
+                staged = self._copy(obj, (), used, memo)
+        finally:
+            self._defer, self._later = None, None
         self._buffers = used  # buffers of entries that disappeared are dropped
-        return staged
+        return staged, later
 
     def release(self) -> None:
         """Drop the buffers (a later :meth:`stage` allocates them again)."""
@@ -118,9 +172,18 @@ class HostStager:
                 buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
             else:
                 buffer = self._allocate(source.shape, source.dtype)
-        buffer.copy_(source)
+        if self._later is not None and self._defer is not None and _deferrable(source, self._defer):
+            self._later.copies.append((path, buffer, source, source._version))
+        else:
+            buffer.copy_(source)
         used[path] = buffer
         return buffer
+
+
+def _deferrable(tensor: torch.Tensor, defer: Defer) -> bool:
+    if tensor.is_inference():  # no version counter to check the copy against
+        return False
+    return defer(tensor)
 
 
 def _on_host(shards_metadata: list[Any]) -> bool:

@@ -62,7 +62,9 @@ class _ByteCounter:
         return size
 
 
-def _local_tensors(value: Any) -> list[torch.Tensor] | None:
+def local_tensors(value: Any) -> list[torch.Tensor] | None:
+    """The tensors this rank holds of ``value`` (a sharded or distributed tensor's local part); None for a
+    non-tensor."""
     if not isinstance(value, torch.Tensor):
         return None
     if hasattr(value, "local_shards"):  # ShardedTensor: this rank's shards
@@ -81,7 +83,7 @@ def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage"
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, value: Any) -> Any:
-            local = _local_tensors(value)
+            local = local_tensors(value)
             if local is None:
                 return None
             for tensor in local:
