@@ -209,6 +209,9 @@ def derive_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
             "blocked_s": statistics.median(r["blocked_s"] for r in background),
             "save_s": statistics.median(r["save_s"] for r in background),
             "staging_bytes": max(r["staging_bytes"] for r in background),
+            # of the staged bytes, those copied in the background while the next forward and backward ran
+            "deferred_bytes": max(r.get("deferred_bytes", 0) for r in background),
+            "copy_wait_s": statistics.median(r.get("copy_wait_s", 0.0) for r in background),
             # the time training waits for an async save, against the same save done synchronously in that round
             "blocked_vs_sync": _paired([r["blocked_s"] for r in background], seconds(fmt)),
         }

@@ -219,8 +219,11 @@ def _remove(path: Path) -> None:
 
 
 def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any]:
-    """The same save with ``async_save=True``: how long ``save_checkpoint`` blocks (building the state dicts and
-    staging them into host buffers, every rank, as the training loop would wait) and how long until it committed."""
+    """The same save with ``async_save=True``: how long the training loop is blocked by it, and how long until it
+    committed. Blocked: ``save_checkpoint`` (building the state dicts and staging what is not copied later, every
+    rank, ending with Lightning's barrier) plus the wait before the next optimizer step for the background copies,
+    which overlap that step's forward and backward (run here as the Trainer runs them, without the optimizer
+    step); the slowest rank's wait counts."""
     strategy = trainer.strategy
     strategy._state_dict_type = fmt
     if trainer.global_rank == 0:
@@ -231,12 +234,27 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
         start = time.perf_counter()
         trainer.save_checkpoint(path)  # ends with Lightning's barrier: the slowest rank's blocked time
         blocked = time.perf_counter() - start
+        step_start = time.perf_counter()
+        strategy.training_step(None, 1).backward()  # the next step's forward and backward
+        step_s = time.perf_counter() - step_start
+        waited = torch.tensor([saver.wait_staged(rank=trainer.global_rank)])
+        dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+        _unwrap(trainer.optimizers[0]).zero_grad(set_to_none=True)
         saver.wait(rank=trainer.global_rank, gather=strategy._gather_objects)
         dist.barrier()
         total = time.perf_counter() - start
     finally:
         strategy._background, saver.active = None, False
-    return {"blocked_s": blocked, "save_s": total, "bytes": _dir_bytes(path), "staging_bytes": saver._stager.nbytes}
+    return {
+        "blocked_s": blocked + float(waited),
+        "save_call_s": blocked,
+        "copy_wait_s": float(waited),
+        "step_s": step_s,
+        "save_s": total,  # the forward and backward included
+        "bytes": _dir_bytes(path),
+        "staging_bytes": saver._stager.nbytes,
+        "deferred_bytes": saver.deferred_bytes,
+    }
 
 
 def _full_state(trainer: Any) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
             assert 0 < background["blocked_s"] <= background["save_s"]
             # the staging buffers hold rank 0's part of the checkpoint's tensors: all of them (full) or its shard
             assert 0 < background["staging_bytes"] <= checkpoint[engine][fmt]["bytes"]
+            if fmt != "full":  # the shards of parameters and AdamW state: copied during the next forward/backward
+                assert background["deferred_bytes"] > 0.9 * background["staging_bytes"], background
         assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
 
     summary = {row["measurement"]: row for row in results["summary"]}

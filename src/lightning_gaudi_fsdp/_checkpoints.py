@@ -17,6 +17,7 @@ from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._shared import gather_objects
 from lightning_gaudi_fsdp.checkpoint import formats, loading, storage
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
+from lightning_gaudi_fsdp.checkpoint.staging import Defer
 
 T = TypeVar("T")
 
@@ -84,26 +85,32 @@ def save_checkpoint(
     save(checkpoint, gather=gather)
 
 
-def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Callable[[torch.Tensor], bool]:
-    """Whether a tensor of a checkpoint shares its memory with ``model``'s parameters (FSDP1's flat parameters
-    included) or ``optimizers``' state: what only an optimizer step writes, so an asynchronous save may copy it
-    while the next forward and backward run. Host memory only: off an accelerator the copy is made at once, into
-    pinned memory at DMA speed."""
-    tensors = [*model.parameters()]
-    tensors += [module._handle.flat_param for module in model.modules() if getattr(module, "_handle", None)]
+def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
+    """What an asynchronous save may copy while the next forward and backward run: tensors in host memory that share
+    their memory with ``model``'s parameters (FSDP1's flat parameters included) or ``optimizers``' state, which only
+    an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
+    accelerator the copy is made at once, into pinned memory at DMA speed."""
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    named = [(_clean(name), param) for name, param in model.named_parameters()]
+    names = {id(param): name for name, param in named}
+    flat = [module._handle.flat_param for module in model.modules() if getattr(module, "_handle", None)]
+    watch: list[tuple[str, torch.Tensor]] = list(named)
     for optimizer in optimizers:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        for param, state in optimizer.state.items():
+            owner = names.get(id(param), "a parameter")
+            watch += [(f"{key} of {owner} (optimizer state)", v) for key, v in state.items() if torch.is_tensor(v)]
     live = {
         local.untyped_storage().data_ptr()
-        for tensor in tensors
+        for tensor in [*(t for _, t in watch), *flat]
         for local in storage.local_tensors(tensor) or ()
         if local.device.type == "cpu"
     }
 
-    def written(tensor: torch.Tensor) -> bool:
+    def picks(tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in live
 
-    return written
+    return Defer(picks, watch)
 
 
 def wait_for_copies(door: Any) -> None:

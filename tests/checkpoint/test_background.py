@@ -13,7 +13,7 @@ import torch
 
 from lightning_gaudi_fsdp.checkpoint import background, formats, staging
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
-from lightning_gaudi_fsdp.checkpoint.staging import HostStager, StagedStateChanged
+from lightning_gaudi_fsdp.checkpoint.staging import Defer, HostStager, StagedStateChanged
 from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
 
 pytestmark = pytest.mark.versions
@@ -96,7 +96,7 @@ def test_deferred_copies_are_made_later_and_refuse_a_source_written_in_between()
     bias = checkpoint["state_dict"]["bias"]
     live = {weight.untyped_storage().data_ptr(), exp_avg.untyped_storage().data_ptr()}
     stager = HostStager()
-    staged, later = stager.stage_later(checkpoint, lambda t: t.untyped_storage().data_ptr() in live)
+    staged, later = stager.stage_later(checkpoint, Defer(lambda t: t.untyped_storage().data_ptr() in live))
     assert [path for path, *_ in later.copies] == [
         ("state_dict", "weight"),
         ("optimizer_states", 0, "state", 0, "exp_avg"),
@@ -109,7 +109,7 @@ def test_deferred_copies_are_made_later_and_refuse_a_source_written_in_between()
     assert staged["state_dict"]["tied"] is staged["state_dict"]["weight"]
     assert torch.equal(staged["optimizer_states"][0]["state"][0]["exp_avg"], torch.ones(2, 3))
 
-    staged, later = stager.stage_later(checkpoint, lambda t: t.untyped_storage().data_ptr() in live)
+    staged, later = stager.stage_later(checkpoint, Defer(lambda t: t.untyped_storage().data_ptr() in live))
     with torch.no_grad():
         weight[0].mul_(2)  # an in-place write through a view, before the copy was made
     with pytest.raises(StagedStateChanged) as raised:
@@ -120,11 +120,24 @@ def test_deferred_copies_are_made_later_and_refuse_a_source_written_in_between()
     )
     assert "needs async_save=False" in str(raised.value)
 
+    # A parameter that reaches the saved memory through .data (as FSDP1's original parameters reach the flat
+    # parameter) shares no version counter with it: it is watched by name.
+    param = torch.nn.Parameter(torch.empty(0))
+    param.data = weight.view(-1)[:3]
+    picks = Defer(lambda t: t.untyped_storage().data_ptr() in live, watch=[("layer.weight", param)])
+    staged, later = stager.stage_later(checkpoint, picks)
+    before = weight._version
+    with torch.no_grad():
+        param.mul_(2)
+    assert weight._version == before  # unchanged as far as the saved tensor can tell
+    with pytest.raises(StagedStateChanged, match="^'layer.weight' changed in place"):
+        later.run()
+
 
 def test_a_deferred_copy_overlaps_the_caller_and_a_source_written_before_it_fails_the_save(monkeypatch):
     saver, write = BackgroundSaver(), _SlowWrite()
     weight = torch.ones(4)
-    saver.save({"w": weight}, Path("ok.ckpt"), write, rank=0, gather=_alone, defer=lambda t: t is not None)
+    saver.save({"w": weight}, Path("ok.ckpt"), write, rank=0, gather=_alone, defer=Defer(lambda t: True))
     saver.wait_staged(rank=0)  # the copy ran in the thread; the write waits for the test
     assert saver._job.staged.is_set()
     assert not saver._job.done.is_set()
@@ -142,7 +155,7 @@ def test_a_deferred_copy_overlaps_the_caller_and_a_source_written_before_it_fail
     monkeypatch.setattr(staging.DeferredCopies, "run", held)
     second = _SlowWrite()
     second.go.set()
-    saver.save({"w": weight}, Path("bad.ckpt"), second, rank=0, gather=_alone, defer=lambda t: True)
+    saver.save({"w": weight}, Path("bad.ckpt"), second, rank=0, gather=_alone, defer=Defer(lambda t: True))
     with torch.no_grad():
         weight.add_(1)
     gate.set()

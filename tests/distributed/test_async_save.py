@@ -55,6 +55,39 @@ def test_a_failed_background_write_raises_on_every_rank_at_the_next_save_and_at_
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == ["a", "c"]
 
 
+def test_a_parameter_written_before_the_background_copy_fails_that_save_on_every_rank(scenario, tmp_path):
+    """Parameters and AdamW state are copied after save_checkpoint returns, while the next forward and backward run;
+    a hook writing a parameter in place before that copy (here right after the save, the copy starting 1 s late)
+    must not get a checkpoint that mixes two steps: the save fails on every rank, nothing is committed."""
+    ckpt = tmp_path / "step2.ckpt"
+    run = scenario(
+        {
+            "strategy": _strategy("sharded"),
+            "module": {"n_samples": 64},
+            "max_steps": 3,
+            "save_at_step": 2,
+            "save_path_in_loop": str(ckpt),
+            "write_params_after_save": True,
+            "slow_copies": 1.0,
+        },
+        expect_ok=False,
+        timeout=120,
+    )
+    assert run.proc.returncode != 0
+    for rank in (0, 1):
+        stderr = (run.out / f"rank{rank}.stderr").read_text()
+        raised = re.findall(r"\.CheckpointSaveError: (Cannot save checkpoint [^\n]*)", stderr)
+        assert raised, stderr[-3000:]
+        assert re.match(
+            re.escape(f"Cannot save checkpoint '{ckpt}': ")
+            + r"ranks? [01](, 1)? failed while copying the checkpoint in the background: StagedStateChanged: "
+            + r"'[\w.]+'( and \d+ more)? changed in place after save_checkpoint returned",
+            raised[0],
+        ), raised[0]
+    assert not ckpt.exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing staged left either
+
+
 def test_top_k_rotation_removes_the_older_checkpoint_only_after_the_newer_one_committed(scenario, tmp_path):
     dirpath = tmp_path / "ckpts"
     run = scenario(

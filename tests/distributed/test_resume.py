@@ -127,6 +127,9 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
         writes = json.loads((first.out / f"writes{rank}.json").read_text())
         assert writes
         assert min(writes) > k, writes  # every write began after a later step
+        (save,) = json.loads((first.out / f"saves{rank}.json").read_text())
+        if fmt != "full":  # parameters and AdamW state were copied while the next step's forward and backward ran
+            assert save["deferred_bytes"] > 0.9 * save["staged_bytes"], save
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # committed, nothing staged left
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)

@@ -169,13 +169,21 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
 class SaveAtStep(Callback):
     """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``. ``paths``: a path per
     step (``{"2": ...}``) instead of ``path``; ``catch``: steps whose save records a ``CheckpointSaveError`` instead of
-    raising it. Each save's blocked seconds (and error) go to ``saves<rank>.json``."""
+    raising it. Each save's blocked seconds (and error) go to ``saves<rank>.json``. ``write_after``: right after each
+    save returns, write the first parameter in place (unchanged values), as a hook running before the optimizer step
+    might."""
 
     def __init__(
-        self, step: int | list[int], path: str, out: Path, paths: dict[str, str] | None = None, catch: list[int] = ()
+        self,
+        step: int | list[int],
+        path: str,
+        out: Path,
+        paths: dict[str, str] | None = None,
+        catch: list[int] = (),
+        write_after: bool = False,
     ) -> None:
         self.steps, self.path = [step] if isinstance(step, int) else step, path
-        self.out, self.paths, self.catch = out, paths or {}, catch
+        self.out, self.paths, self.catch, self.write_after = out, paths or {}, catch, write_after
         self.records: list[dict[str, Any]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -193,6 +201,12 @@ class SaveAtStep(Callback):
                 raise
             record["error"] = str(err)
         record["seconds"] = time.perf_counter() - started
+        if self.write_after:
+            with torch.no_grad():
+                next(trainer.lightning_module.parameters()).mul_(1)
+        background = getattr(trainer.strategy, "_background", None)
+        if background is not None and background.active:  # bytes staged, and of them copied after the save returned
+            record["staged_bytes"], record["deferred_bytes"] = background._stager.nbytes, background.deferred_bytes
         self.records.append(record)
         write_json(self.out, f"saves{trainer.global_rank}.json", self.records)
 
@@ -276,6 +290,19 @@ def arm_kill_on_save(rank: int, nth: int, out: Path) -> None:
 
 
 _NOW = {"step": 0}  # the last finished training step, for probes that run in the background
+
+
+def arm_slow_copies(seconds: float) -> None:
+    """An asynchronous save's background copies (of what only the optimizer step writes) start ``seconds`` late."""
+    from lightning_gaudi_fsdp.checkpoint import staging
+
+    run = staging.DeferredCopies.run
+
+    def slowed(self: Any) -> None:
+        time.sleep(seconds)
+        run(self)
+
+    staging.DeferredCopies.run = slowed  # type: ignore[method-assign]
 
 
 def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_events: bool) -> None:
@@ -444,6 +471,8 @@ def main() -> None:
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"], out=out)
     kill_at = KillAt(**cfg["kill_at"], out=out) if cfg.get("kill_at") else None
+    if cfg.get("slow_copies"):
+        arm_slow_copies(cfg["slow_copies"])
     if cfg.get("slow_writes") or cfg.get("writes_after_a_later_step") or cfg.get("record_events"):
         arm_write_probes(
             out, cfg.get("slow_writes", 0), cfg.get("writes_after_a_later_step", 0), bool(cfg.get("record_events"))
@@ -474,6 +503,7 @@ def main() -> None:
                 out,
                 cfg.get("save_paths_in_loop"),
                 cfg.get("catch_save_errors_at", ()),
+                bool(cfg.get("write_params_after_save")),
             )
         )
     soak = None

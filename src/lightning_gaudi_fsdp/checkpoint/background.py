@@ -78,6 +78,7 @@ class BackgroundSaver:
         self._group_made = False
         self.active = False  # whether saves go to the background now (the strategy arms it while fit runs)
         self.staging_waited = 0.0  # seconds wait_staged blocked, in all (for the benchmark)
+        self.deferred_bytes = 0  # of the last save: bytes its thread copied after save() returned
 
     @property
     def in_flight(self) -> bool:
@@ -101,6 +102,7 @@ class BackgroundSaver:
         self.wait(rank=rank, gather=gather, waiting=f"the save of {str(path)!r}")
         waited = time.monotonic() - started
         staged, later = self._stager.stage_later(checkpoint, defer)
+        self.deferred_bytes = later.nbytes
         group = self._process_group()
         job = _Job(Path(path), time.monotonic())
         if not later.copies:

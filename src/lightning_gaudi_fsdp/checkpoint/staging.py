@@ -18,7 +18,8 @@ raise :class:`StagedStateChanged` instead of returning a copy that mixes two ste
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +28,16 @@ _Path = tuple[Any, ...]
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 # allocate(shape, dtype): an empty host tensor for a staging buffer
 Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
-# defer(tensor): whether the copy of this tensor may be made later (see DeferredCopies)
-Defer = Callable[[torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class Defer:
+    """Which copies wait (``picks(tensor)``), and what they wait on: ``watch`` names the tensors whose in-place
+    change before the copies are made invalidates them (the parameters as the optimizer sees them, which may reach
+    the picked memory through ``.data`` views that share no version counter with it)."""
+
+    picks: Callable[[torch.Tensor], bool]
+    watch: Sequence[tuple[str, torch.Tensor]] = ()
 
 
 class StagedStateChanged(RuntimeError):
@@ -36,10 +45,12 @@ class StagedStateChanged(RuntimeError):
 
 
 class DeferredCopies:
-    """The copies :meth:`HostStager.stage` left for later: ``(path, buffer, source, source version)`` each."""
+    """The copies :meth:`HostStager.stage_later` left for later: ``(path, buffer, source, source version)`` each,
+    and the watched tensors with their versions at the save."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.copies: list[tuple[_Path, torch.Tensor, torch.Tensor, int]] = []
+        self.watched = [(name, tensor, tensor._version) for name, tensor in watch if not tensor.is_inference()]
 
     @property
     def nbytes(self) -> int:
@@ -48,12 +59,16 @@ class DeferredCopies:
     def run(self) -> None:
         """Make the copies; raise :class:`StagedStateChanged`, naming the entries, if any source changed since it
         was staged (the copy would then hold part of a later step)."""
+        if not self.copies:  # everything was copied at the save: nothing here can be stale
+            return
         with torch.no_grad():
             for _, buffer, source, _ in self.copies:
                 buffer.copy_(source)
-        changed = [path for path, _, source, version in self.copies if source._version != version]
+        changed = [_entry(path) for path, _, source, version in self.copies if source._version != version]
+        changed += [name for name, tensor, version in self.watched if tensor._version != version]
         if changed:
-            names = ", ".join(repr("/".join(str(k) for k in path)) for path in changed[:3])
+            changed = list(dict.fromkeys(changed))
+            names = ", ".join(repr(name) for name in changed[:3])
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise StagedStateChanged(
                 f"{names}{more} changed in place after save_checkpoint returned and before the background copy of "
@@ -97,7 +112,7 @@ class HostStager:
         :class:`DeferredCopies` runs."""
         used: dict[_Path, torch.Tensor] = {}
         memo: dict[int, Any] = {}  # one tensor seen twice (tied weights) stays one tensor
-        later = DeferredCopies()
+        later = DeferredCopies(defer.watch if defer is not None else ())
         self._defer, self._later = defer, later
         try:
             with torch.no_grad():
@@ -180,10 +195,20 @@ class HostStager:
         return buffer
 
 
+def _entry(path: _Path) -> str:
+    """An entry's name in the checkpoint ("state_dict/layer.weight"), without the part :meth:`HostStager._tensor`
+    adds for a sharded or distributed tensor's local part."""
+    if path[-2:-1] == ("shard",):
+        path = path[:-2]
+    elif path[-1:] == ("local",):
+        path = path[:-1]
+    return "/".join(str(key) for key in path)
+
+
 def _deferrable(tensor: torch.Tensor, defer: Defer) -> bool:
     if tensor.is_inference():  # no version counter to check the copy against
         return False
-    return defer(tensor)
+    return defer.picks(tensor)
 
 
 def _on_host(shards_metadata: list[Any]) -> bool:
