@@ -62,12 +62,13 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     ``fabric.load_raw(path, obj)`` loads a model (set up or not) or an optimizer from any checkpoint of either door or
     from a plain ``torch.save`` of a state dict.
 
-    ``async_save=True``: ``fabric.save`` returns once the state is copied into host buffers; a background thread
-    writes and commits it while the loop goes on (any format; at most one save in flight). Fabric has no end-of-run
-    hook, so the save in flight is waited for by the next ``fabric.save``, by ``fabric.load``/``load_raw``, by
-    ``fabric.strategy.teardown()`` (each raises a failed background save on every rank as ``CheckpointSaveError``),
-    and, as a last resort, when the interpreter exits (``atexit``; a failure there is logged, not raised, and
-    ``os._exit`` skips it).
+    ``async_save=True``: ``fabric.save`` returns once the state is staged into host buffers; a background thread
+    writes and commits it while the loop goes on (any format; at most one save in flight). Parameters and optimizer
+    state in host memory are copied by that thread while the loop goes on; ``optimizer.step()`` waits for the copy.
+    Fabric has no end-of-run hook, so the save in flight is waited for by the next ``fabric.save``, by
+    ``fabric.load``/``load_raw``, by ``fabric.strategy.teardown()`` (each raises a failed background save on every
+    rank as ``CheckpointSaveError``), and, as a last resort, when the interpreter exits (``atexit``; a failure there
+    is logged, not raised, and ``os._exit`` skips it).
     """
 
     strategy_name = "gaudi_fsdp"

@@ -98,9 +98,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             once and every rank exits with code 1, the waiting ones naming the stuck rank (node, process id) and
             the collective they waited in. ``None`` (default): off, and ``timeout`` alone bounds a collective.
             Set it above your longest legitimate wait (a slow rank's save, an uneven validation).
-        async_save: ``True`` makes saves during ``fit`` return once the state is copied into host buffers (kept
+        async_save: ``True`` makes saves during ``fit`` return once the state is staged into host buffers (kept
             from one save to the next); a background thread writes and commits it while training goes on, in any
-            ``state_dict_type``. At most one save is in flight: the next one waits for it. An older checkpoint that
+            ``state_dict_type``. Parameters and optimizer state in host memory are copied by that thread during the
+            next forward and backward; the optimizer step waits for the copy, and an in-place write to them before
+            it fails that save. At most one save is in flight: the next one waits for it. An older checkpoint that
             ``ModelCheckpoint`` rotates out is removed only after the newer one committed. A background save that
             fails raises ``CheckpointSaveError`` on every rank at the next save or at the end of fit. Saves outside
             ``fit`` (or after it) stay synchronous. README: "Saving in the background".
