@@ -76,12 +76,13 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     """Save at the end of epoch 1 of 2 and keep going; a new run loads that checkpoint and finishes epoch 2: weights,
     optimizer and scheduler equal the uninterrupted run bitwise, the scheduler restored in place, plain values back
     in ``state``. ``background``: ``async_save=True`` with 1 s writes, so fabric.save returns before the checkpoint
-    is committed and epoch 2 trains while it is written. The resumed runs also check ``fabric.load_raw`` (and, for full
-    checkpoints, ``fabric.save(filter=...)``)."""
+    is committed and epoch 2 trains while it is written; the copies of parameters and optimizer state start 0.5 s
+    late, so epoch 2's first ``optimizer.step()`` must wait for them (or the save fails: they would have changed).
+    The resumed runs also check ``fabric.load_raw`` (and, for full checkpoints, ``fabric.save(filter=...)``)."""
     ckpt = tmp_path / "ckpt"
     strategy = {**_strategy(engine, fmt), "async_save": background}
     common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
-    writes = {"slow_writes": 1.0} if background else {}
+    writes = {"slow_writes": 1.0, "slow_copies": 0.5} if background else {}
     straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
     resumed = scenario({**common, "load": str(ckpt), "raw_checks": not background}, script=FABRIC)
     a, b = straight.final(), resumed.final()

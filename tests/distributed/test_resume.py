@@ -107,7 +107,8 @@ ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("loca
 def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tmp_path, uninterrupted, fmt, engine):
     """async_save=True: the checkpoint of step k is written while training goes on to 2k (each write first waits for
     a later step to change the weights), and it still holds step k: resuming from it ends exactly as the run that
-    never stopped, as does the run that saved."""
+    never stopped, as does the run that saved. The copies of parameters and optimizer state start 0.5 s late: the
+    next optimizer step waits for them."""
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "async_save": True}
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
@@ -118,6 +119,7 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
             "module": _module(),
             "max_steps": 2 * k,
             "writes_after_a_later_step": 15,  # a write that began after the last step waits this long for nothing
+            "slow_copies": 0.5,  # the next optimizer step must wait for the copies (else the save fails)
             **_save_at(k, ckpt),
         }
     )

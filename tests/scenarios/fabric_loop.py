@@ -9,7 +9,8 @@ the same process (``reference``) for comparison.
 
 Other keys: ``fail`` ({rank, step, kind}: that rank raises, SIGKILLs itself with ``kind="sigkill"`` or sleeps an hour
 with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each
-checkpoint write first sleeps that many seconds), ``exit_normally`` (end after training without teardown or
+checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
+seconds late), ``exit_normally`` (end after training without teardown or
 ``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
 round trips; results under ``raw`` in the rank's JSON).
 """
@@ -26,7 +27,7 @@ import lightning as L
 import torch
 from common import Module, RandomRegression, load_config, write_json
 from torch import nn
-from train import arm_write_probes, leave
+from train import arm_slow_copies, arm_write_probes, leave
 
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
@@ -151,6 +152,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("slow_writes"):
         arm_write_probes(out, cfg["slow_writes"], 0, False)
+    if cfg.get("slow_copies"):
+        arm_slow_copies(cfg["slow_copies"])
     strategy_cfg = cfg.get("strategy", {})
     if cfg.get("strategy_rank1") and int(os.environ.get("LOCAL_RANK", "0")) == 1:
         strategy_cfg = {**strategy_cfg, **cfg["strategy_rank1"]}  # a misconfigured rank
