@@ -133,6 +133,14 @@ def test_deferred_copies_are_made_later_and_refuse_a_source_written_in_between()
     with pytest.raises(StagedStateChanged, match="^'layer.weight' changed in place"):
         later.run()
 
+    # A tensor the writer fills itself (a streamed full checkpoint's placeholder) is staged as it is.
+    placeholder = torch.empty(5)
+    staged, later = stager.stage_later(
+        {"w": placeholder, "b": bias}, Defer(lambda t: False, as_is=lambda t: t is placeholder)
+    )
+    assert staged["w"] is placeholder
+    assert staged["b"] is not bias
+
 
 def test_a_deferred_copy_overlaps_the_caller_and_a_source_written_before_it_fails_the_save(monkeypatch):
     saver, write = BackgroundSaver(), _SlowWrite()

@@ -38,6 +38,8 @@ class Defer:
 
     picks: Callable[[torch.Tensor], bool]
     watch: Sequence[tuple[str, torch.Tensor]] = ()
+    # tensors staged as they are, neither copied nor deferred (placeholders that the writer fills itself)
+    as_is: Callable[[torch.Tensor], bool] | None = None
 
 
 class StagedStateChanged(RuntimeError):
@@ -132,7 +134,8 @@ class HostStager:
         if id(value) in memo:
             return memo[id(value)]
         if isinstance(value, torch.Tensor):
-            staged = self._tensor(value, path, used)
+            as_is = self._defer.as_is if self._defer is not None else None
+            staged = value if as_is is not None and as_is(value) else self._tensor(value, path, used)
             memo[id(value)] = staged
             return staged
         if isinstance(value, dict):
