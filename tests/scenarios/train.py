@@ -5,6 +5,7 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -166,10 +167,38 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
     return list(reversed(units))
 
 
+class _Streamed(logging.Handler):
+    """Counts full checkpoints written streamed (``checkpoint/streaming.py`` logs each at debug level)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+        streaming = logging.getLogger("lightning_gaudi_fsdp.checkpoint.streaming")
+        streaming.setLevel(logging.DEBUG)
+        streaming.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("streamed ")
+
+
+class SeesCheckpoint(Callback):
+    """An ``on_save_checkpoint`` hook: the checkpoint it sees (rank 0: the sum of every weight) goes to
+    ``hook_saw.json``; with it, full checkpoints are gathered before the hook, not streamed."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.global_rank == 0:
+            total = sum(float(v.double().sum()) for v in checkpoint["state_dict"].values())
+            write_json(self.out, "hook_saw.json", {"weights_sum": total})
+
+
 class SaveAtStep(Callback):
     """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``. ``paths``: a path per
     step (``{"2": ...}``) instead of ``path``; ``catch``: steps whose save records a ``CheckpointSaveError`` instead of
-    raising it. Each save's blocked seconds (and error) go to ``saves<rank>.json``."""
+    raising it. Each save's blocked seconds (and error, and whether rank 0 wrote it streamed) go to
+    ``saves<rank>.json``."""
 
     def __init__(
         self, step: int | list[int], path: str, out: Path, paths: dict[str, str] | None = None, catch: list[int] = ()
@@ -177,6 +206,7 @@ class SaveAtStep(Callback):
         self.steps, self.path = [step] if isinstance(step, int) else step, path
         self.out, self.paths, self.catch = out, paths or {}, catch
         self.records: list[dict[str, Any]] = []
+        self.streamed = _Streamed()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
@@ -185,6 +215,7 @@ class SaveAtStep(Callback):
         if step not in self.steps:
             return
         record: dict[str, Any] = {"step": step, "error": None}
+        streamed_before = self.streamed.count
         started = time.perf_counter()
         try:
             trainer.save_checkpoint(self.paths.get(str(step), self.path))
@@ -193,6 +224,7 @@ class SaveAtStep(Callback):
                 raise
             record["error"] = str(err)
         record["seconds"] = time.perf_counter() - started
+        record["streamed"] = self.streamed.count > streamed_before
         self.records.append(record)
         write_json(self.out, f"saves{trainer.global_rank}.json", self.records)
 
@@ -466,6 +498,8 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if kill_at is not None:
         callbacks.append(kill_at)
+    if cfg.get("hook_reads_checkpoint"):
+        callbacks.append(SeesCheckpoint(out))
     if cfg.get("save_at_step"):
         callbacks.append(
             SaveAtStep(
