@@ -5,7 +5,6 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, Block, Module, load_config, status_bytes, write_json
+from common import QUIET_TRAINER, Block, Module, StreamedSaves, load_config, status_bytes, write_json
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -167,20 +166,6 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
     return list(reversed(units))
 
 
-class _Streamed(logging.Handler):
-    """Counts full checkpoints written streamed (``checkpoint/streaming.py`` logs each at debug level)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.count = 0
-        streaming = logging.getLogger("lightning_gaudi_fsdp.checkpoint.streaming")
-        streaming.setLevel(logging.DEBUG)
-        streaming.addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += record.getMessage().startswith("streamed ")
-
-
 class SeesCheckpoint(Callback):
     """An ``on_save_checkpoint`` hook: the checkpoint it sees (rank 0: the sum of every weight) goes to
     ``hook_saw.json``; with it, full checkpoints are gathered before the hook, not streamed."""
@@ -206,7 +191,7 @@ class SaveAtStep(Callback):
         self.steps, self.path = [step] if isinstance(step, int) else step, path
         self.out, self.paths, self.catch = out, paths or {}, catch
         self.records: list[dict[str, Any]] = []
-        self.streamed = _Streamed()
+        self.streamed = StreamedSaves()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
