@@ -463,7 +463,13 @@ def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
         (strategy.precision_plugin, Precision),
         *((callback, Callback) for callback in trainer.callbacks),
     ]
-    return any(is_overridden("on_save_checkpoint", obj, parent) for obj, parent in hooked)
+    # LightningDataModule defines no such hook (Lightning calls none on it); one a datamodule adds counts as well
+    return any(
+        is_overridden("on_save_checkpoint", obj, parent)
+        if hasattr(parent, "on_save_checkpoint")
+        else callable(getattr(obj, "on_save_checkpoint", None))
+        for obj, parent in hooked
+    )
 
 
 def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:

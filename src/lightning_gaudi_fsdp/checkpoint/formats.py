@@ -2,7 +2,8 @@
 
 - ``full``: one ``torch.save`` file in Lightning's standard layout. Model weights are gathered on rank 0 under
   ``state_dict`` (plain names, no FSDP prefixes) and optimizer state is in torch's standard per-parameter-id form, so a
-  plain PyTorch/Lightning program loads it without FSDP.
+  plain PyTorch/Lightning program loads it without FSDP. Given a :class:`~.streaming.FullStream`, rank 0 writes each
+  tensor as it arrives instead of gathering the whole state first (see :mod:`.streaming`).
 - ``sharded``: a directory in Lightning's distributed-checkpoint layout (torch DCP files plus ``meta.pt`` holding
   everything that is not a model or optimizer tensor). It loads at any world size.
 - ``local``: a directory with one ``rank_NNNNN.pt`` per rank (that rank's slice of every flat parameter and its raw
