@@ -381,12 +381,12 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        stream, self._pending_stream = self._pending_stream, None  # taken whatever happens next
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
         metadata = _checkpoints.checkpoint_extras(self, self._wrapped_model(), checkpoint, optimizers)
-        stream, self._pending_stream = self._pending_stream, None
         _checkpoints.save_checkpoint(self, checkpoint, path, metadata, stream)
 
     @override
