@@ -17,8 +17,9 @@ If rank 0's write fails midway (a full disk, a read-only target, a vanished dire
 it has not received yet (discarding it), so no sender waits forever; the save protocol then raises the same
 ``CheckpointSaveError`` on every rank. Placeholders must never reach user code: the front doors stream only when
 nothing reads the checkpoint between building it and writing it (see ``strategy.py`` and ``fabric.py``), and
-:func:`available` says whether this torch has the private writer with the signature it was checked with (torch 2.6 and
-2.13); otherwise the state is gathered eagerly, as before.
+:func:`available` says whether this torch has the private writer with the signature it was checked with (torch 2.6,
+2.9 and 2.13, where the files are byte for byte those ``torch.save`` writes to a file object); otherwise the state is
+gathered eagerly, as before.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_dis
 
 def available() -> bool:
     """Whether ``torch.serialization._save`` and ``_open_zipfile_writer`` exist with the signature the stream was
-    checked with (torch 2.6, 2.13)."""
+    checked with (torch 2.6, 2.9, 2.13)."""
     serialization = torch.serialization
     save = getattr(serialization, "_save", None)
     if save is None or not callable(getattr(serialization, "_open_zipfile_writer", None)):
