@@ -145,6 +145,7 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
     )
     _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
     assert re.search(rf"state_dict_type +: {fmt}, saved in the background", first.proc.stderr)  # fit-start table
+    assert not _streamed(first)  # a background save stages real tensors: the full state is gathered first
     for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone
         writes = json.loads((first.out / f"writes{rank}.json").read_text())
         assert writes
