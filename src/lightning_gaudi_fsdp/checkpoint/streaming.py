@@ -188,6 +188,7 @@ class _Receiver:
     def __init__(self, records: dict[int, _Record]) -> None:
         self.records = records
         self.expects: list[int] = []
+        self._next = 0  # expects[:_next] are all received or on their way
         self.capacity = max((r.nbytes for r in records.values()), default=0)
         self.buffers = 0
         self._free: list[torch.Tensor] = []
@@ -231,8 +232,10 @@ class _Receiver:
     def _prefetch(self) -> None:
         if self._ahead or (not self._free and self.buffers >= 2):
             return
-        upcoming = next((a for a in self.expects if a not in self._done), None)
-        if upcoming is not None:
+        while self._next < len(self.expects) and self.expects[self._next] in self._done:
+            self._next += 1
+        if self._next < len(self.expects):
+            upcoming = self.expects[self._next]
             self._ahead[upcoming] = self._post(upcoming, self._buffer())
 
     def _post(self, address: int, buffer: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
