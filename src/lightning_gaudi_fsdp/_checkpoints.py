@@ -15,9 +15,10 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._shared import gather_objects
-from lightning_gaudi_fsdp.checkpoint import formats, loading, storage
+from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
+from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 T = TypeVar("T")
 
@@ -44,6 +45,17 @@ def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSa
     return BackgroundSaver(timeout) if options.resolve_bool(async_save, "async_save") else None
 
 
+def full_stream(door: Any) -> FullStream | None:
+    """A :class:`~.checkpoint.streaming.FullStream` for the next full checkpoint of ``door``, or None: only for
+    ``state_dict_type="full"``, saves that are synchronous (a background save copies real tensors) and a torch whose
+    writer the stream was checked with. The caller makes sure nothing but :func:`save_checkpoint` reads the
+    checkpoint built with it."""
+    background = door._background
+    if door._state_dict_type != "full" or (background is not None and background.active):
+        return None
+    return FullStream(door.global_rank) if streaming.available() else None
+
+
 def save_checkpoint(
     door: Any,
     checkpoint: dict[str, Any],
@@ -51,11 +63,13 @@ def save_checkpoint(
     local_metadata: Any,
     model: Module,
     optimizers: Sequence[Optimizer],
+    stream: FullStream | None = None,
 ) -> None:
     """Write ``checkpoint`` in the door's ``state_dict_type`` with the commit protocol; in the background when the
     door's saver is active (see :mod:`.checkpoint.background`), else before returning. In the background, the copies
     of ``model``'s parameters and ``optimizers``' state are made after this returns (see :func:`written_by_step`):
-    the door calls :func:`wait_for_copies` before its next optimizer step."""
+    the door calls :func:`wait_for_copies` before its next optimizer step. ``stream``: the one ``checkpoint`` was
+    built with (:func:`full_stream`; written synchronously)."""
     save = functools.partial(
         formats.save,
         door._state_dict_type,
@@ -65,6 +79,9 @@ def save_checkpoint(
         local_metadata=local_metadata,
         check_free_space=door._check_free_space,
     )
+    if stream is not None:
+        save(checkpoint, gather=lambda obj: gather_objects(obj, door.world_size), stream=stream)
+        return
 
     def gather(obj: Any) -> list[Any]:
         return gather_objects(obj, door.world_size)

@@ -225,6 +225,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if clash:
             raise ValueError(f"state keys {clash} are reserved for the checkpoint layout; rename them")
         keep = _filtered(filter or {})
+        # Streamed (each tensor received on rank 0 as it is written) unless a filter reads the state first.
+        stream = _checkpoints.full_stream(self) if filter is None else None
         others = {
             key: keep(key, obj.state_dict() if isinstance(obj, _Stateful) else obj)
             for key, obj in state.items()
@@ -232,9 +234,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         }
         schedulers = [key for key, obj in state.items() if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
         checkpoint: dict[str, Any] = {
-            "state_dict": keep(model_key, formats.model_state_dict(model, fmt, device_type)),
+            "state_dict": keep(model_key, formats.model_state_dict(model, fmt, device_type, stream)),
             "optimizer_states": [
-                keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank))
+                keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
                 for key, opt in optimizers.items()
             ],
             "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
@@ -246,7 +248,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if self._background is not None and not self._waits_at_exit:
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
-        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, list(optimizers.values()))
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, list(optimizers.values()), stream)
 
     def _wait_at_exit(self) -> None:
         # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,6 +30,7 @@ from typing_extensions import override
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -73,7 +75,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         state_dict_type: checkpoint format written by saves: ``"full"`` (default), ``"sharded"`` or ``"local"``.
             Loading picks the format from what is on disk. A save that fails on any rank (full disk, read-only or
             vanished directory, permission) raises ``CheckpointSaveError`` on every rank, naming the checkpoint,
-            the failed ranks and the cause; nothing is committed.
+            the failed ranks and the cause; nothing is committed. A synchronous ``"full"`` save streams: rank 0 writes
+            each tensor as it arrives instead of gathering the whole state first, unless an ``on_save_checkpoint``
+            hook (LightningModule, datamodule, callback, precision plugin) reads the checkpoint before it is written.
         activation_checkpointing_policy: module classes, dotted class paths or a ``(module) -> bool`` callable.
         compile: ``True`` or a dict of ``torch.compile`` arguments compiles each FSDP unit
             (``hpu_backend`` on Gaudi, ``aot_eager`` on CPU unless ``backend`` is given).
@@ -167,6 +171,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         )
         _shared.adopt(self, resolved, self.kwargs)
         self._background = _checkpoints.background_saver(async_save, self._timeout)
+        self._pending_stream: FullStream | None = None  # the full checkpoint being built, streamed (see below)
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
@@ -360,7 +365,15 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         model = self._wrapped_model()
-        return formats.model_state_dict(model, self._state_dict_type, self.root_device.type)
+        # A full checkpoint that Trainer.save_checkpoint builds and hands to save_checkpoint, with no hook reading
+        # it in between, is streamed: rank 0 holds placeholders until save_checkpoint writes them as they arrive.
+        # The plan waits on the strategy until then; nothing is sent before the save's write step, so a plan that
+        # is never written leaves no rank waiting on a send (the next checkpoint replaces it).
+        stream = _checkpoints.full_stream(self)
+        if stream is not None and not (_building_checkpoint_to_save() and not _hooks_read_checkpoint(self)):
+            stream = None
+        self._pending_stream = stream
+        return formats.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -369,19 +382,21 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         model = self._wrapped_model()
+        stream = self._pending_stream if _building_checkpoint_to_save() else None
         return formats.optimizer_state_dict(
-            model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank
+            model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank, stream
         )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        stream, self._pending_stream = self._pending_stream, None  # taken whatever happens next
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
         model = self._wrapped_model()
         metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, optimizers)
-        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, self.optimizers)
+        _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, self.optimizers, stream)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -429,6 +444,41 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         return _shared.gather_objects(obj, self.world_size)
+
+
+def _building_checkpoint_to_save() -> bool:
+    """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
+    hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    dump, save = _CheckpointConnector.dump_checkpoint.__code__, Trainer.save_checkpoint.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not dump:
+        frame = frame.f_back
+    return frame is not None and frame.f_back is not None and frame.f_back.f_code is save
+
+
+def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
+    """Whether an ``on_save_checkpoint`` hook sees the checkpoint before it is written: overridden by the
+    LightningModule, the datamodule, a callback or the precision plugin."""
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    trainer = strategy.lightning_module.trainer
+    hooked: list[tuple[Any, type]] = [
+        (trainer.lightning_module, LightningModule),
+        (trainer.datamodule, LightningDataModule),
+        (strategy.precision_plugin, Precision),
+        *((callback, Callback) for callback in trainer.callbacks),
+    ]
+    # LightningDataModule defines no such hook (Lightning calls none on it); one a datamodule adds counts as well
+    return any(
+        is_overridden("on_save_checkpoint", obj, parent)
+        if hasattr(parent, "on_save_checkpoint")
+        else callable(getattr(obj, "on_save_checkpoint", None))
+        for obj, parent in hooked
+    )
 
 
 def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:

@@ -32,7 +32,12 @@ def test_a_run_of_elements_is_covered_by_few_boxes_in_order(shape):
     [(True, "float32", 2), pytest.param(False, "bfloat16", 3, marks=pytest.mark.slow)],
 )
 def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, buffer_dtype, world_size):
-    cfg = {"use_orig_params": use_orig_params, "buffer_dtype": buffer_dtype, "devices": world_size}
+    cfg = {
+        "use_orig_params": use_orig_params,
+        "buffer_dtype": buffer_dtype,
+        "devices": world_size,
+        "stream_memory": world_size == 2,
+    }
     run = scenario(cfg, script="fsdp1_state.py")
     result = json.loads((run.out / "fsdp1_state.json").read_text())
     assert result["sharded_fast"]
@@ -45,3 +50,27 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
     assert result["local_same_as_torchs"]
     assert result["local_keys"] == ["0._flat_param", "0.scale", "1._flat_param", "1.scale", "_flat_param"]
     assert result["local_keys_with_foreign_hook"] == sorted([*result["local_keys"], "0.extra"])
+    # streamed (checkpoint/streaming.py): the file reads back as the gathered state, plainly and memory-mapped
+    assert result["streamed_planned"]
+    assert result["streamed_differences"] == {"load": [], "mmap": []}
+    if world_size == 2:
+        _check_stream_memory_and_failure(run.out)
+
+
+def _check_stream_memory_and_failure(out):
+    """A streamed full save adds to rank 0's memory about its two receive buffers, not the state (an eager save adds
+    the state); a write that fails midway on rank 0 fails on every rank, quickly, and the next save succeeds."""
+    records = [json.loads((out / f"stream_memory{rank}.json").read_text()) for rank in (0, 1)]
+    zero = records[0]
+    assert zero["streamed_planned"]
+    assert not zero["eager_planned"]
+    assert zero["eager_peak_growth"] > 0.6 * zero["state_bytes"], zero  # the measurement sees a gathered state
+    assert zero["streamed_peak_growth"] < 0.25 * zero["state_bytes"], zero  # two 4 MiB buffers
+    assert [r["failure"]["type"] for r in records] == ["CheckpointSaveError"] * 2, records
+    assert records[0]["failure"]["message"] == records[1]["failure"]["message"]
+    assert "rank 0 failed while writing" in zero["failure"]["message"]
+    assert "File too large" in zero["failure"]["message"], zero["failure"]
+    assert all(r["failure_seconds"] < 20 for r in records), records
+    assert zero["left"] == []  # nothing staged is left behind
+    assert all(r["after_failure_planned"] for r in records)
+    assert zero["after_failure_keys"] == 6

@@ -85,6 +85,11 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+def _streamed(run) -> bool:
+    """Whether rank 0 wrote the run's in-loop checkpoint streamed (each tensor received as it was written)."""
+    return json.loads((run.out / "saves0.json").read_text())[0]["streamed"]
+
+
 @pytest.mark.parametrize(("fmt", "sharding", "engine"), CASES)
 def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding, engine):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
@@ -92,9 +97,26 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / f"ckpt-{fmt}"
-    first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)})
+    # one full case with an on_save_checkpoint hook: the state is gathered before the hook sees it, not streamed
+    hooked = fmt == "full" and sharding == "SHARD_GRAD_OP"
+    first = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": k,
+            "hook_reads_checkpoint": hooked,
+            **_save_at(k, ckpt),
+        }
+    )
     assert first.final()["step"] == k
     assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
+    # full checkpoints of a sharded model are streamed (torch's own path gathers NO_SHARD's), unless a hook reads them
+    assert _streamed(first) == (fmt == "full" and sharding != "NO_SHARD" and not hooked)
+    if hooked:  # the hook saw real values: those of the file
+        saw = json.loads((first.out / "hook_saw.json").read_text())["weights_sum"]
+        written = torch.load(ckpt, weights_only=True)["state_dict"]
+        assert saw == sum(float(v.double().sum()) for v in written.values())
+        assert saw != 0.0
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)
 
@@ -125,6 +147,7 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
     )
     _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
     assert re.search(rf"state_dict_type +: {fmt}, saved in the background", first.proc.stderr)  # fit-start table
+    assert not _streamed(first)  # a background save stages real tensors: the full state is gathered first
     for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone
         writes = json.loads((first.out / f"writes{rank}.json").read_text())
         assert writes
@@ -248,7 +271,9 @@ def test_checkpoints_cross_between_lightning_fsdp_strategy_and_ours(scenario, tm
     stock = {"lightning_stock": True}
     first = {"strategy": strategy, "module": _module(), "max_steps": k, **_save_at(k, ckpt)}
     second = {"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)}
-    scenario({**first, **(stock if writer == "lightning" else {})})
+    written = scenario({**first, **(stock if writer == "lightning" else {})})
+    if writer == "ours" and fmt == "full":  # what Lightning's strategy resumes from was written streamed
+        assert _streamed(written)
     if writer == "lightning" and fmt == "sharded":  # written by Lightning's code: none of our additions in meta.pt
         assert OPTIMIZER_GROUPS_KEY not in torch.load(ckpt / "meta.pt", weights_only=False)
     resumed = scenario({**second, **(stock if writer == "ours" else {})})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -229,3 +230,17 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, status_bytes("RssAnon"))
+
+
+class StreamedSaves(logging.Handler):
+    """Counts the full checkpoints this process wrote streamed (``checkpoint/streaming.py`` logs each, at debug)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+        streaming = logging.getLogger("lightning_gaudi_fsdp.checkpoint.streaming")
+        streaming.setLevel(logging.DEBUG)
+        streaming.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("streamed ")

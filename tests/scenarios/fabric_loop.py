@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Module, RandomRegression, load_config, write_json
+from common import Module, RandomRegression, StreamedSaves, load_config, write_json
 from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave
 
@@ -253,6 +253,7 @@ def main() -> None:
                 reference_losses.append(float(loss))
         state["epoch"] = epoch + 1
         if cfg.get("save") and state["epoch"] == cfg.get("save_after_epoch", 1):
+            streamed = StreamedSaves()
             started = time.monotonic()
             fabric.save(cfg["save"], state)
             background = fabric.strategy._background
@@ -260,6 +261,7 @@ def main() -> None:
                 "seconds": time.monotonic() - started,
                 "in_flight": background is not None and background.in_flight,
                 "committed_on_return": Path(cfg["save"]).exists(),
+                "streamed": streamed.count > 0,  # rank 0 wrote it as its tensors arrived
             }
 
     if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save

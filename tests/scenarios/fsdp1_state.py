@@ -1,16 +1,22 @@
 """FSDP1 state dicts built from each rank's own slices against torch's own, in one run per configuration: every rank
 saves the sharded checkpoint both ways (DCP) and builds the full state both ways; rank 0 consolidates the sharded ones
-and compares everything bitwise. Writes ``fsdp1_state.json`` (which paths applied, what differed)."""
+and compares everything bitwise. The full state is also saved streamed (``checkpoint/streaming.py``) and read back
+with ``torch.load`` against the gathered one; with ``cfg["stream_memory"]``, a wider model's streamed save is measured
+(rank 0's memory, against an eager save) and made to fail midway on rank 0 (a file-size limit). Writes
+``fsdp1_state.json`` (which paths applied, what differed) and ``stream_memory{rank}.json``."""
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import load_config, write_json
+from common import PeakSampler, load_config, write_json
 from torch import nn
 
 
@@ -38,6 +44,91 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
             return [f"{path} length"]
         return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}[{i}]")]
     return [] if a == b else [path]
+
+
+def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True) -> bool:
+    """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first); whether the stream
+    planned anything."""
+    from lightning_gaudi_fsdp._shared import gather_objects
+    from lightning_gaudi_fsdp.checkpoint import formats
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    plan = FullStream(rank) if stream else None
+    checkpoint = {
+        "state_dict": formats.model_state_dict(model, "full", "cpu", plan),
+        "optimizer_states": [formats.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
+        "epoch": 3,
+    }
+    formats.save(
+        "full",
+        checkpoint,
+        path,
+        rank=rank,
+        world_size=world_size,
+        gather=lambda obj: gather_objects(obj, world_size),
+        stream=plan,
+    )
+    return plan is not None and plan.pending
+
+
+def streamed_differences(eager: dict, path: Path) -> dict:
+    """What differs between the gathered full state ``eager`` (``model``, ``optimizer_0``) and the streamed file at
+    ``path``, read plainly and memory-mapped (key order included)."""
+    result = {}
+    for how, kwargs in (("load", {}), ("mmap", {"mmap": True})):
+        saved = torch.load(path, weights_only=True, **kwargs)
+        result[how] = _differences(
+            eager, {"model": saved["state_dict"], "optimizer_0": saved["optimizer_states"][0]}
+        ) + ([] if list(saved["state_dict"]) == list(eager["model"]) else ["model key order"])
+    return result
+
+
+def stream_memory(out: Path) -> None:
+    """Rank 0's memory during a streamed and an eager full save of a wider model (about 75 MiB of state), then a
+    streamed save that fails midway on rank 0 (a file-size limit): every rank records what it raised, and how long."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank = dist.get_rank()
+    torch.manual_seed(1)
+    model = FSDP(
+        nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(6))),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    state_bytes = 3 * 6 * 1024 * 1024 * 4  # weights and AdamW's two moments, fp32
+    record: dict = {"state_bytes": state_bytes}
+    for name, stream in (("streamed", True), ("eager", False)):
+        dist.barrier()
+        with PeakSampler() as sampler:
+            record[f"{name}_planned"] = streamed_full_save(model, optimizer, out / f"wide_{name}.ckpt", stream=stream)
+        record[f"{name}_peak_growth"] = sampler.peak - sampler.base
+        if rank == 0:
+            (out / f"wide_{name}.ckpt").unlink()
+    # A write that fails midway on rank 0: the file may not grow past 8 MiB (EFBIG instead of SIGXFSZ).
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))
+    started = time.monotonic()
+    try:
+        streamed_full_save(model, optimizer, out / "wide_failing.ckpt")
+        record["failure"] = None
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        record["failure"] = {"type": type(err).__name__, "message": str(err)}
+    record["failure_seconds"] = time.monotonic() - started
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    record["left"] = sorted(p.name for p in out.iterdir() if "wide_failing" in p.name)
+    # the process group is still in step: the next streamed save succeeds
+    record["after_failure_planned"] = streamed_full_save(model, optimizer, out / "wide_after.ckpt")
+    if rank == 0:
+        record["after_failure_keys"] = len(torch.load(out / "wide_after.ckpt", weights_only=True)["state_dict"])
+    write_json(out, f"stream_memory{rank}.json", record)
 
 
 def main() -> None:
@@ -103,6 +194,10 @@ def main() -> None:
     )
     local_with_hook = sorted(formats.model_state_dict(model, "local", "cpu"))
     hook.remove()
+    # The same full checkpoint saved streamed: no tensor gathered before the write, the file reads back the same.
+    streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")
+    if cfg.get("stream_memory"):
+        stream_memory(out)
     for name, state in (("ours", ours["sharded"]), ("theirs", theirs["sharded"])):
         dcp.save(state, checkpoint_id=out / name)
     dist.barrier()
@@ -126,6 +221,8 @@ def main() -> None:
                 "local_same_as_torchs": local_same,
                 "local_keys": sorted(local_ours),
                 "local_keys_with_foreign_hook": local_with_hook,
+                "streamed_planned": streamed_planned,
+                "streamed_differences": streamed_differences(ours["full"], out / "streamed.ckpt"),
             },
         )
     dist.barrier()

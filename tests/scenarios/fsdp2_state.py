@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import load_config, write_json
-from fsdp1_state import Block, _differences
+from fsdp1_state import Block, _differences, streamed_differences, streamed_full_save
 from torch import nn
 
 
@@ -45,6 +45,8 @@ def main() -> None:
         "model": get_model_state_dict(model, options=options),
         "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
     }
+    # The same full checkpoint saved streamed (checkpoint/streaming.py): read back, it equals the gathered state.
+    streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")
     if rank == 0:
         theirs["optimizer"] = fsdp2_state._keyed_by_id(theirs["optimizer"], fsdp2_state.parameter_names(model))
         write_json(
@@ -55,6 +57,10 @@ def main() -> None:
                 "differences": _differences(ours, theirs),
                 "model_keys_in_order": list(ours["model"]) == list(theirs["model"]),
                 "optimizer_keys_in_order": list(ours["optimizer"]["state"]) == list(theirs["optimizer"]["state"]),
+                "streamed_planned": streamed_planned,
+                "streamed_differences": streamed_differences(
+                    {"model": ours["model"], "optimizer_0": ours["optimizer"]}, out / "streamed.ckpt"
+                ),
             },
         )
     else:

@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, Block, Module, load_config, status_bytes, write_json
+from common import QUIET_TRAINER, Block, Module, StreamedSaves, load_config, status_bytes, write_json
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -166,12 +166,25 @@ def _fsdp2_units(model: torch.nn.Module) -> list[dict[str, Any]]:
     return list(reversed(units))
 
 
+class SeesCheckpoint(Callback):
+    """An ``on_save_checkpoint`` hook: the checkpoint it sees (rank 0: the sum of every weight) goes to
+    ``hook_saw.json``; with it, full checkpoints are gathered before the hook, not streamed."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.global_rank == 0:
+            total = sum(float(v.double().sum()) for v in checkpoint["state_dict"].values())
+            write_json(self.out, "hook_saw.json", {"weights_sum": total})
+
+
 class SaveAtStep(Callback):
     """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``. ``paths``: a path per
     step (``{"2": ...}``) instead of ``path``; ``catch``: steps whose save records a ``CheckpointSaveError`` instead of
-    raising it. Each save's blocked seconds (and error) go to ``saves<rank>.json``. ``write_after``: right after each
-    save returns, write the first parameter in place (unchanged values), as a hook running before the optimizer step
-    might."""
+    raising it. Each save's blocked seconds (and error, and whether rank 0 wrote it streamed) go to
+    ``saves<rank>.json``. ``write_after``: right after each save returns, write the first parameter in place
+    (unchanged values), as a hook running before the optimizer step might."""
 
     def __init__(
         self,
@@ -185,6 +198,7 @@ class SaveAtStep(Callback):
         self.steps, self.path = [step] if isinstance(step, int) else step, path
         self.out, self.paths, self.catch, self.write_after = out, paths or {}, catch, write_after
         self.records: list[dict[str, Any]] = []
+        self.streamed = StreamedSaves()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError
@@ -193,6 +207,7 @@ class SaveAtStep(Callback):
         if step not in self.steps:
             return
         record: dict[str, Any] = {"step": step, "error": None}
+        streamed_before = self.streamed.count
         started = time.perf_counter()
         try:
             trainer.save_checkpoint(self.paths.get(str(step), self.path))
@@ -201,6 +216,7 @@ class SaveAtStep(Callback):
                 raise
             record["error"] = str(err)
         record["seconds"] = time.perf_counter() - started
+        record["streamed"] = self.streamed.count > streamed_before
         if self.write_after:
             with torch.no_grad():
                 next(trainer.lightning_module.parameters()).mul_(1)
@@ -495,6 +511,8 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if kill_at is not None:
         callbacks.append(kill_at)
+    if cfg.get("hook_reads_checkpoint"):
+        callbacks.append(SeesCheckpoint(out))
     if cfg.get("save_at_step"):
         callbacks.append(
             SaveAtStep(

@@ -2,7 +2,8 @@
 
 - ``full``: one ``torch.save`` file in Lightning's standard layout. Model weights are gathered on rank 0 under
   ``state_dict`` (plain names, no FSDP prefixes) and optimizer state is in torch's standard per-parameter-id form, so a
-  plain PyTorch/Lightning program loads it without FSDP.
+  plain PyTorch/Lightning program loads it without FSDP. Given a :class:`~.streaming.FullStream`, rank 0 writes each
+  tensor as it arrives instead of gathering the whole state first (see :mod:`.streaming`).
 - ``sharded``: a directory in Lightning's distributed-checkpoint layout (torch DCP files plus ``meta.pt`` holding
   everything that is not a model or optimizer tensor). It loads at any world size.
 - ``local``: a directory with one ``rank_NNNNN.pt`` per rank (that rank's slice of every flat parameter and its raw
@@ -31,6 +32,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
+from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -116,16 +118,20 @@ def _managed_names(model: Module) -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------- state extraction
-def model_state_dict(model: Module, fmt: CheckpointFormat, device_type: str) -> dict[str, Any]:
-    """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``)."""
+def model_state_dict(
+    model: Module, fmt: CheckpointFormat, device_type: str, stream: FullStream | None = None
+) -> dict[str, Any]:
+    """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``). ``stream``: where the package gathers
+    a full state itself, plan the gather on it instead (placeholders on rank 0, see :mod:`.streaming`); the
+    checkpoint must then be saved with it (:func:`save`) and nothing else may read it."""
     if fsdp2.is_fsdp2(model):
-        return fsdp2_state.model_state_dict(model, fmt)
+        return fsdp2_state.model_state_dict(model, fmt, stream)
     if fmt == "sharded" and fsdp1_state.supported(model):
         # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
         return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
     if fmt == "full" and fsdp1_state.supports_full(model):
         # Each parameter's pieces sent straight to rank 0, no all-gather on every rank.
-        return fsdp1_state.full_model_state_dict(model, _local_state(model, device_type, flat=False))
+        return fsdp1_state.full_model_state_dict(model, _local_state(model, device_type, flat=False), stream)
     if fmt == "local":
         return _local_state(model, device_type, flat=True)
     with state_dict_context(model, fmt, device_type):
@@ -192,13 +198,19 @@ def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
 
 
 def optimizer_state_dict(
-    model: Module, optimizer: Optimizer, fmt: CheckpointFormat, device_type: str, rank: int
+    model: Module,
+    optimizer: Optimizer,
+    fmt: CheckpointFormat,
+    device_type: str,
+    rank: int,
+    stream: FullStream | None = None,
 ) -> dict[str, Any]:
+    """The optimizer's state in ``fmt``; ``stream``: as for :func:`model_state_dict`."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
 
     if fsdp2.is_fsdp2(model):
-        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank)
+        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank, stream)
     if fmt == "local":
         return optimizer.state_dict()
     if fmt == "sharded" and fsdp1_state.supported(model):
@@ -206,7 +218,7 @@ def optimizer_state_dict(
         if state is not None:
             return state
     if fmt == "full" and fsdp1_state.supports_full(model):
-        state = fsdp1_state.full_optimizer_state_dict(model, optimizer)
+        state = fsdp1_state.full_optimizer_state_dict(model, optimizer, stream)
         if state is not None:
             return state
     with state_dict_context(model, fmt, device_type):
@@ -253,13 +265,16 @@ def save(
     local_metadata: Mapping[str, Any] | None = None,
     check_free_space: bool | None = None,
     process_group: Any = None,
+    stream: FullStream | None = None,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
     Every rank calls this; ``gather`` is an all-gather of Python objects, over ``process_group`` (the group a sharded
     save coordinates over; default: the default group). Nothing appears under ``path`` unless every rank finished
     writing. If any rank fails, or free space is short before anything is written, every rank raises
-    the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`)."""
+    the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`). ``stream``: the
+    :class:`~.streaming.FullStream` the full ``checkpoint`` was built with; in the write step rank 0 receives and
+    writes each tensor in turn while the other ranks send their pieces."""
     path = Path(path)
     directory = fmt != "full"
     staging = commit.staging_path(path)
@@ -269,7 +284,9 @@ def save(
         if path.is_dir() and not directory and detect_format_or_none(path) is None:
             raise IsADirectoryError(f"Refusing to replace directory {str(path)!r} (not a checkpoint) with a file")
 
-    if fmt == "full":
+    if fmt == "full" and stream is not None and stream.pending:  # else torch's path gathered it
+        writes = [lambda: stream.write(checkpoint, staging) if rank == 0 else stream.send()]
+    elif fmt == "full":
         writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
     elif fmt == "sharded":
         writes = [lambda: _save_sharded(checkpoint, staging, rank, process_group=process_group)]

@@ -26,11 +26,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 
 class Box(NamedTuple):
@@ -264,10 +267,12 @@ def supports_full(model: Module) -> bool:
     return supported(model) and all(unit.local.device.type == "cpu" for unit in _units(model))
 
 
-def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
+def full_model_state_dict(model: Module, rest: dict[str, Any], stream: FullStream | None = None) -> dict[str, Any]:
     """The full model state dict on rank 0 (``{}`` elsewhere): every parameter's pieces are sent straight into a
     tensor of its shape on rank 0, one message per piece, where torch all-gathers every flat parameter on every rank
-    and clones each parameter out of it. ``rest``: the entries FSDP does not shard."""
+    and clones each parameter out of it. ``rest``: the entries FSDP does not shard. With ``stream``, the gathered
+    tensors are its placeholders, received only when the stream writes the checkpoint (see
+    :mod:`..checkpoint.streaming`)."""
     import torch.distributed as dist
 
     pieces = [
@@ -275,7 +280,7 @@ def full_model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]
         for unit in _units(model)
         for param in unit.params
     ]
-    full = gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces])
+    full = gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces], stream)
     if dist.get_rank() != 0:
         return {}
     gathered = {param.fqn: tensor for (param, _), tensor in zip(pieces, full, strict=True)}
@@ -300,7 +305,9 @@ def _in_module_order(model: Module, state: dict[str, Any]) -> dict[str, Any]:
     return {key: state[key] for key in sorted(state, key=order)}
 
 
-def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
+def full_optimizer_state_dict(
+    model: Module, optimizer: Optimizer, stream: FullStream | None = None
+) -> dict[str, Any] | None:
     """The full optimizer state on rank 0 in torch's standard form (keyed by the index of each parameter in
     ``model.parameters()``), ``{}`` elsewhere, gathered as :func:`full_model_state_dict` gathers weights. ``None`` on
     every rank (the caller then asks torch) unless every unit keeps its original parameters and the ranks holding
@@ -344,7 +351,7 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
             targets.append((param.fqn, key))
     if not (ok and all(rank_ok for rank_ok, _ in everyone)):
         return None
-    full = gather_pieces(pieces)
+    full = gather_pieces(pieces, stream)
     if dist.get_rank() != 0:
         return {}
     ids = {id(p): i for i, p in enumerate(model.parameters())}
@@ -362,14 +369,19 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def gather_pieces(pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]]) -> list[Any]:
+def gather_pieces(
+    pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]], stream: FullStream | None = None
+) -> list[Any]:
     """For each ``(param, this rank's piece, ranks sending pieces, dtype)`` (``param``: its ``shape`` and each rank's
     ``spans``, elements ``[start, end)`` of the flattened parameter), rank 0 receives every sender's piece
     straight into one host tensor of the parameter's shape (its own piece is copied in) and returns those tensors;
     other ranks get ``None`` for each. Every rank passes the same list in the same order, and message ``i`` carries
-    tag ``i``, so no two are confused; all are in flight at once."""
+    tag ``i``, so no two are confused; all are in flight at once. With ``stream``, only planned: rank 0 gets
+    placeholders, and the pieces travel when the stream writes the checkpoint."""
     import torch.distributed as dist
 
+    if stream is not None:
+        return [stream.gather(p.shape, p.spans, piece, senders, dtype) for p, piece, senders, dtype in pieces]
     rank = dist.get_rank()
     works, out, tag = [], [], 0
     for param, piece, senders, dtype in pieces:

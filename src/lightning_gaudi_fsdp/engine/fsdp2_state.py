@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 
 def _options(**kwargs: Any) -> Any:
@@ -92,9 +95,9 @@ def _gathers_to_rank0(model: Module) -> bool:
     )
 
 
-def _full_pieces(values: list[Any]) -> list[Any]:
+def _full_pieces(values: list[Any], stream: FullStream | None = None) -> list[Any]:
     """Each DTensor of ``values`` as a full host tensor on rank 0 (``None`` on the others), each rank sending its
-    chunk straight into it; anything else as it is."""
+    chunk straight into it (with ``stream``: a placeholder, filled when the stream writes); anything else as it is."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -112,11 +115,11 @@ def _full_pieces(values: list[Any]) -> list[Any]:
                     f"a DTensor of shape {tuple(value.shape)} holds {local.numel()} elements here, not {hi - lo}"
                 )
             pieces.append((layout, local, range(world_size), value.dtype))
-    gathered = iter(gather_pieces(pieces))
+    gathered = iter(gather_pieces(pieces, stream))
     return [next(gathered) if isinstance(v, DTensor) else v for v in values]
 
 
-def full_model_state_dict(model: Module) -> dict[str, Any]:
+def full_model_state_dict(model: Module, stream: FullStream | None = None) -> dict[str, Any]:
     """The full model state dict on rank 0 (``{}`` elsewhere), as ``get_model_state_dict(full_state_dict=True,
     cpu_offload=True)`` gives it, without its all-gather of every parameter on every rank."""
     import torch.distributed as dist
@@ -124,7 +127,7 @@ def full_model_state_dict(model: Module) -> dict[str, Any]:
     from lightning_gaudi_fsdp.checkpoint.layout import _clean
 
     state = model.state_dict()
-    values = _full_pieces([v.detach() if isinstance(v, torch.Tensor) else v for v in state.values()])
+    values = _full_pieces([v.detach() if isinstance(v, torch.Tensor) else v for v in state.values()], stream)
     if dist.get_rank() != 0:
         return {}
     return {
@@ -133,7 +136,7 @@ def full_model_state_dict(model: Module) -> dict[str, Any]:
     }
 
 
-def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any]:
+def full_optimizer_state_dict(model: Module, optimizer: Optimizer, stream: FullStream | None = None) -> dict[str, Any]:
     """The full optimizer state on rank 0 (``{}`` elsewhere) keyed by the index of each parameter in
     ``model.parameters()``, as torch's full optimizer state dict rekeyed by :func:`_keyed_by_id`, gathered as
     :func:`full_model_state_dict` gathers weights."""
@@ -146,7 +149,7 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
         for p in group["params"]
         for key, value in optimizer.state.get(p, {}).items()
     ]
-    values = _full_pieces([value for _, _, value in entries])
+    values = _full_pieces([value for _, _, value in entries], stream)
     if dist.get_rank() != 0:
         return {}
     state: dict[int, dict[str, Any]] = {}
@@ -159,11 +162,12 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, 
     return {"state": state, "param_groups": groups}
 
 
-def model_state_dict(model: Module, fmt: str) -> dict[str, Any]:
+def model_state_dict(model: Module, fmt: str, stream: FullStream | None = None) -> dict[str, Any]:
+    """``stream``: see :func:`full_model_state_dict` (used only where the package gathers a full state)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if fmt == "full" and _gathers_to_rank0(model):
-        return full_model_state_dict(model)
+        return full_model_state_dict(model, stream)
     if fmt == "full":
         return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
     if fmt == "local":
@@ -173,7 +177,9 @@ def model_state_dict(model: Module, fmt: str) -> dict[str, Any]:
     return get_model_state_dict(model)
 
 
-def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: int) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: Module, optimizer: Optimizer, fmt: str, rank: int, stream: FullStream | None = None
+) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     if fmt == "local":
@@ -181,7 +187,7 @@ def optimizer_state_dict(model: Module, optimizer: Optimizer, fmt: str, rank: in
     if fmt == "sharded":
         return get_optimizer_state_dict(model, optimizer)
     if _gathers_to_rank0(model):
-        return full_optimizer_state_dict(model, optimizer)
+        return full_optimizer_state_dict(model, optimizer, stream)
     state = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return {}

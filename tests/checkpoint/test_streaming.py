@@ -1,0 +1,61 @@
+"""Full checkpoints written as their tensors arrive (``checkpoint/streaming.py``), in one process: the file is the one
+``torch.save`` writes of the same state. The 2-rank cases (pieces sent by another rank, rank 0's memory, a write failing
+midway) run in the FSDP1/FSDP2 state scenarios (``test_fsdp1_state.py``, ``test_fsdp2_state.py``) and in the Trainer's
+and Fabric's resume tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gaudi_fsdp.checkpoint import streaming
+from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+pytestmark = pytest.mark.versions
+
+
+def _planned(stream: FullStream, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` gathered through ``stream`` in one process: a placeholder that rank 0's own piece fills."""
+    flat = tensor.reshape(-1)
+    return stream.gather(tuple(tensor.shape), [(0, flat.numel())], flat, [0], tensor.dtype)
+
+
+def test_a_streamed_file_is_the_file_torch_save_writes(tmp_path):
+    assert streaming.available()  # the private writer has the signature checked on torch 2.6, 2.9 and 2.13
+    torch.manual_seed(0)
+    # more than ten tensors (torch < 2.7 writes them sorted as strings: 0, 1, 10, 11, 2...), several dtypes, nested
+    # optimizer state, a real tensor among the placeholders, a shared storage, an empty tensor
+    weights = {f"layer{i}.weight": torch.randn(3 + i, 5) for i in range(12)}
+    moments = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7).to(torch.bfloat16)} for i in range(3)}
+    shared = torch.arange(10)
+    state = {
+        "state_dict": {**weights, "buffer": torch.ones(4, dtype=torch.int64), "empty": torch.empty(0, 3)},
+        "optimizer_states": [{"state": moments, "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}],
+        "shared": [shared, shared[2:5]],
+        "epoch": 3,
+    }
+    stream = FullStream(rank=0)
+    planned = {
+        "state_dict": {
+            **{k: _planned(stream, v) for k, v in weights.items()},
+            "buffer": state["state_dict"]["buffer"],
+            "empty": _planned(stream, state["state_dict"]["empty"]),
+        },
+        "optimizer_states": [
+            {
+                "state": {i: {**m, "exp_avg": _planned(stream, m["exp_avg"])} for i, m in moments.items()},
+                "param_groups": state["optimizer_states"][0]["param_groups"],
+            }
+        ],
+        "shared": state["shared"],
+        "epoch": 3,
+    }
+    assert stream.pending
+    stream.write(planned, tmp_path / "streamed.pt")
+    with open(tmp_path / "torch.pt", "wb") as handle:  # as the eager path saves (formats.save_file)
+        torch.save(state, handle)
+    assert (tmp_path / "streamed.pt").read_bytes() == (tmp_path / "torch.pt").read_bytes()
+    loaded = torch.load(tmp_path / "streamed.pt", weights_only=True, mmap=True)
+    assert list(loaded["state_dict"]) == list(state["state_dict"])
+    assert torch.equal(loaded["optimizer_states"][0]["state"][2]["exp_avg"], moments[2]["exp_avg"])
+    assert loaded["shared"][1].untyped_storage().data_ptr() == loaded["shared"][0].untyped_storage().data_ptr()
