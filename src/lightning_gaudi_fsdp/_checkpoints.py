@@ -3,6 +3,7 @@ the background), and loading only once every rank has checked the checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -47,11 +48,9 @@ def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSa
 
 def full_stream(door: Any) -> FullStream | None:
     """A :class:`~.checkpoint.streaming.FullStream` for the next full checkpoint of ``door``, or None: only for
-    ``state_dict_type="full"``, saves that are synchronous (a background save copies real tensors) and a torch whose
-    writer the stream was checked with. The caller makes sure nothing but :func:`save_checkpoint` reads the
-    checkpoint built with it."""
-    background = door._background
-    if door._state_dict_type != "full" or (background is not None and background.active):
+    ``state_dict_type="full"`` and a torch whose writer the stream was checked with. The caller makes sure nothing
+    but :func:`save_checkpoint` reads the checkpoint built with it."""
+    if door._state_dict_type != "full":
         return None
     return FullStream(door.global_rank) if streaming.available() else None
 
@@ -69,7 +68,8 @@ def save_checkpoint(
     door's saver is active (see :mod:`.checkpoint.background`), else before returning. In the background, the copies
     of ``model``'s parameters and ``optimizers``' state are made after this returns (see :func:`written_by_step`):
     the door calls :func:`wait_for_copies` before its next optimizer step. ``stream``: the one ``checkpoint`` was
-    built with (:func:`full_stream`; written synchronously)."""
+    built with (:func:`full_stream`); in the background, its pieces are staged like a sharded save's shards and the
+    thread streams the file from those copies."""
     save = functools.partial(
         formats.save,
         door._state_dict_type,
@@ -79,27 +79,31 @@ def save_checkpoint(
         local_metadata=local_metadata,
         check_free_space=door._check_free_space,
     )
-    if stream is not None:
-        save(checkpoint, gather=lambda obj: gather_objects(obj, door.world_size), stream=stream)
-        return
 
     def gather(obj: Any) -> list[Any]:
         return gather_objects(obj, door.world_size)
 
     background = door._background
-    if background is not None and background.active:
-        # staged off a Gaudi device into pinned host memory (the same allocator each time keeps the buffers)
-        background.use_host_buffers(gaudi.host_staging_allocator(door.root_device.type))
-        background.save(
-            checkpoint,
-            path,
-            lambda staged, gather_in_thread, group: save(staged, gather=gather_in_thread, process_group=group),
-            rank=door.global_rank,
-            gather=gather,
-            defer=written_by_step(model, optimizers),
-        )
+    if background is None or not background.active:
+        save(checkpoint, gather=gather, stream=stream)
         return
-    save(checkpoint, gather=gather)
+    # staged off a Gaudi device into pinned host memory (the same allocator each time keeps the buffers)
+    background.use_host_buffers(gaudi.host_staging_allocator(door.root_device.type))
+    defer = written_by_step(model, optimizers)
+    if stream is not None:
+        # The pieces rank 0 receives are views of the ranks' live shards: staged (later, like a sharded save's
+        # shards) and sent from those copies over the thread's group; the placeholders stay as they are.
+        defer = dataclasses.replace(defer, as_is=stream.is_placeholder)
+
+    def write(staged: Any, gather_in_thread: storage.Gather, group: Any) -> None:
+        if stream is None:
+            save(staged, gather=gather_in_thread, process_group=group)
+            return
+        pieces = stream.with_pieces(staged[1], group)
+        save(staged[0], gather=gather_in_thread, process_group=group, stream=pieces)
+
+    staged_obj = checkpoint if stream is None else (checkpoint, stream.pieces())
+    background.save(staged_obj, path, write, rank=door.global_rank, gather=gather, defer=defer)
 
 
 def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:

@@ -75,7 +75,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         state_dict_type: checkpoint format written by saves: ``"full"`` (default), ``"sharded"`` or ``"local"``.
             Loading picks the format from what is on disk. A save that fails on any rank (full disk, read-only or
             vanished directory, permission) raises ``CheckpointSaveError`` on every rank, naming the checkpoint,
-            the failed ranks and the cause; nothing is committed. A synchronous ``"full"`` save streams: rank 0 writes
+            the failed ranks and the cause; nothing is committed. A ``"full"`` save streams: rank 0 writes
             each tensor as it arrives instead of gathering the whole state first, unless an ``on_save_checkpoint``
             hook (LightningModule, datamodule, callback, precision plugin) reads the checkpoint before it is written.
         activation_checkpointing_policy: module classes, dotted class paths or a ``(module) -> bool`` callable.

@@ -102,7 +102,14 @@ def test_local_checkpoint_at_another_world_size(checkpoints, scenario):
 
 @pytest.mark.parametrize(
     ("fmt", "victim", "async_save"),
-    [("full", 0, False), ("sharded", 1, False), ("local", 1, False), ("sharded", 1, True), ("local", 0, True)],
+    [
+        ("full", 0, False),
+        ("sharded", 1, False),
+        ("local", 1, False),
+        ("sharded", 1, True),
+        ("local", 0, True),
+        ("full", 0, True),
+    ],
 )
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path, fmt, victim, async_save):
     """With ``async_save`` the kill hits the background write while training goes on."""

@@ -147,14 +147,18 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
     )
     _assert_same_run(first.final(), straight)  # saving in the background did not disturb training
     assert re.search(rf"state_dict_type +: {fmt}, saved in the background", first.proc.stderr)  # fit-start table
-    assert not _streamed(first)  # a background save stages real tensors: the full state is gathered first
     for rank in (0,) if fmt == "full" else (0, 1):  # a full checkpoint is written by rank 0 alone
         writes = json.loads((first.out / f"writes{rank}.json").read_text())
         assert writes
         assert min(writes) > k, writes  # every write began after a later step
+    if fmt == "full":  # rank 0 streamed it from the other rank's staged pieces, in the background
+        assert json.loads((first.out / "streamed0.json").read_text()) == 1
+        assert not _streamed(first)  # ... after save_checkpoint had returned
+    for rank in (0, 1):
+        # Each rank's shards of parameters and AdamW state were copied while the next step's forward and backward
+        # ran; for full, the pieces it sends to rank 0, which streams the file from those copies in the background.
         (save,) = json.loads((first.out / f"saves{rank}.json").read_text())
-        if fmt != "full":  # parameters and AdamW state were copied while the next step's forward and backward ran
-            assert save["deferred_bytes"] > 0.9 * save["staged_bytes"], save
+        assert save["deferred_bytes"] > 0.9 * save["staged_bytes"], save
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # committed, nothing staged left
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
     _assert_same_run(resumed.final(), straight)

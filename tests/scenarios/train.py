@@ -301,8 +301,19 @@ def arm_kill_on_save(rank: int, nth: int, out: Path) -> None:
             die_midway(Path(checkpoint_id) / "__partial_0.distcp")
         return real_dcp_save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
 
+    def counting_stream_write(stream: Any, obj: Any, file: Any) -> Any:  # a streamed full checkpoint
+        if ".partial" in str(file):
+            calls["n"] += 1
+            if calls["n"] == nth:
+                die_midway(file)
+        return real_stream_write(stream, obj, file)
+
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+    real_stream_write = FullStream.write
     torch.save = counting_save
     dcp.save = counting_dcp_save
+    FullStream.write = counting_stream_write  # type: ignore[method-assign]
 
 
 _NOW = {"step": 0}  # the last finished training step, for probes that run in the background
@@ -357,8 +368,11 @@ def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_
         return call
 
     if slow_writes or later_step_s:
+        from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
         formats.save_file = slowed(formats.save_file)
         _compat.dcp_save = slowed(_compat.dcp_save)
+        FullStream.write = slowed(FullStream.write)  # type: ignore[method-assign]
     if record_events:
         commit.commit = recorded("commit", commit.commit, 1)
         io = torch_io.TorchCheckpointIO
@@ -536,7 +550,10 @@ def main() -> None:
     trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
     with trainer.init_module(empty_init=cfg.get("empty_init", False)) if cfg.get("init_module") else _null():
         pass
-    trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))  # returns once the last background save committed
+    saver = next((c for c in callbacks if isinstance(c, SaveAtStep)), None)
+    if saver is not None:  # full checkpoints rank 0 wrote streamed, in all (background saves included)
+        write_json(out, f"streamed{trainer.global_rank}.json", saver.streamed.count)
     if soak is not None:
         write_json(out, f"soak{trainer.global_rank}.json", soak.samples)
     if cfg.get("save_path"):

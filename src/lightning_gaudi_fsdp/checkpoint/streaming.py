@@ -20,6 +20,9 @@ nothing reads the checkpoint between building it and writing it (see ``strategy.
 :func:`available` says whether this torch has the private writer with the signature it was checked with (torch 2.6,
 2.9 and 2.13, where the files are byte for byte those ``torch.save`` writes to a file object); otherwise the state is
 gathered eagerly, as before.
+
+With ``async_save``, a background save stages :meth:`FullStream.pieces` (the views of live shards each rank
+contributes) and runs :meth:`FullStream.with_pieces` of those copies in its thread, over its own process group.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ class FullStream:
     same order (:meth:`gather`); message ``i`` carries tag ``i``, so they are matched whatever order rank 0 receives
     them in."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, group: Any = None) -> None:
         self.rank = rank
+        self.group = group  # the process group the pieces travel over (None: the default group)
         self._tag = 0
         self._records: dict[int, _Record] = {}  # rank 0: placeholder storage address -> record
         self._sends: list[tuple[torch.Tensor, int]] = []  # other ranks: (piece, tag)
@@ -104,18 +108,46 @@ class FullStream:
             self._records[record.placeholder.untyped_storage().data_ptr()] = record
         return record.placeholder
 
+    def pieces(self) -> list[torch.Tensor]:
+        """What this rank contributes, in plan order: the pieces it sends (rank 0: copies into the buffers). These
+        are views of live shards: a background save stages them and writes with :meth:`with_pieces`."""
+        if self.rank == 0:
+            return [piece for record in self._records.values() for _, _, piece in record.own]
+        return [piece for piece, _ in self._sends]
+
+    def with_pieces(self, pieces: list[torch.Tensor], group: Any) -> FullStream:
+        """This plan with :meth:`pieces` replaced by ``pieces`` (staged copies, in the same order), its messages sent
+        over ``group``; the placeholders stay the same, so it writes the same checkpoint dict."""
+        twin = FullStream(self.rank, group)
+        twin._tag = self._tag
+        replacement = iter(pieces)
+        if self.rank == 0:
+            twin._records = {
+                address: _Record(
+                    record.placeholder, list(record.parts), [(a, b, next(replacement)) for a, b, _ in record.own]
+                )
+                for address, record in self._records.items()
+            }
+        else:
+            twin._sends = [(next(replacement), tag) for _, tag in self._sends]
+        return twin
+
+    def is_placeholder(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of this plan's placeholders (rank 0), which only :meth:`write` fills."""
+        return self.rank == 0 and tensor.untyped_storage().data_ptr() in self._records
+
     def send(self) -> None:
         """Other ranks: send every planned piece to rank 0 and wait until each was received."""
         import torch.distributed as dist
 
-        works = [dist.isend(piece, dst=0, tag=tag) for piece, tag in self._sends]
+        works = [dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends]
         for work in works:
             work.wait()
 
     def write(self, obj: Any, file: Path) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces received for it.
         Every planned piece is received before this returns or raises."""
-        receiver = _Receiver(self._records)
+        receiver = _Receiver(self._records, self.group)
         try:
             order = _storage_order(obj)
             with open(file, "wb") as handle, torch.serialization._open_zipfile_writer(handle) as writer:
@@ -185,8 +217,9 @@ class _Writer:
 class _Receiver:
     """Rank 0: receives each placeholder's pieces into one of two reused byte buffers, the next expected one ahead."""
 
-    def __init__(self, records: dict[int, _Record]) -> None:
+    def __init__(self, records: dict[int, _Record], group: Any = None) -> None:
         self.records = records
+        self.group = group
         self.expects: list[int] = []
         self._next = 0  # expects[:_next] are all received or on their way
         self.capacity = max((r.nbytes for r in records.values()), default=0)
@@ -245,5 +278,7 @@ class _Receiver:
         flat = buffer[: record.nbytes].view(record.placeholder.dtype)
         for start, end, piece in record.own:
             flat[start:end].copy_(piece.reshape(-1))
-        works = [dist.irecv(flat[start:end], src=src, tag=tag) for start, end, src, tag in record.parts]
+        works = [
+            dist.irecv(flat[start:end], src=src, tag=tag, group=self.group) for start, end, src, tag in record.parts
+        ]
         return buffer, works
