@@ -99,6 +99,7 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
         assert straight.rank(rank)["committed_after_teardown"]
     # a synchronous full save (no filter) is streamed (checkpoint/streaming.py); the loads above read it back exactly
     assert straight.rank(0)["save"]["streamed"] is (fmt == "full" and not background)
+    assert straight.rank(0)["save"]["streamed_by_teardown"] is (fmt == "full")  # async: in the background
     info = resumed.rank(1)
     assert info["scheduler_same_object"]
     assert info["scheduler_last_epoch"] == 3

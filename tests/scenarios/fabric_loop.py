@@ -262,15 +262,19 @@ def main() -> None:
                 "in_flight": background is not None and background.in_flight,
                 "committed_on_return": Path(cfg["save"]).exists(),
                 "streamed": streamed.count > 0,  # rank 0 wrote it as its tensors arrived
+                "_streamed": streamed,
             }
 
     if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save
+        info.get("save", {}).pop("_streamed", None)
         write_json(out, f"rank{rank}.json", info)
         return
     if cfg.get("raw_checks"):
         info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)
     fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
     info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
+    if "save" in info:  # a background full save is streamed too, after fabric.save returned
+        info["save"]["streamed_by_teardown"] = info["save"].pop("_streamed").count > 0
 
     # collectives
     def mine() -> torch.Tensor:
