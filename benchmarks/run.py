@@ -14,9 +14,10 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    state and plain fsync'd writes of the same bytes (the disk's limit), measured in that engine's run; loading the
    sharded one at world sizes 1 and 4. Targets: full save <= 1.5 x torch.save, sharded and local saves >= 0.5 of
    the disk's rate, rank 0 memory added by a full save <= 1.3 x the state's bytes. Each format is also saved with
-   ``async_save=True`` in the same round: the time the save blocks the caller (state dicts built and staged into
-   host buffers reused from round to round) over the synchronous save's time, target <= 0.1 for sharded and local,
-   and the host memory the staging buffers hold.
+   ``async_save=True`` in the same round: the time the save blocks the training loop (state dicts built and staged
+   into host buffers reused from round to round, plus the wait before the next optimizer step for the copies made
+   during that step's forward and backward) over the synchronous save's time, target <= 0.1 for every format, and
+   the host memory the staging buffers hold.
 4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved in bf16
    with ``save_pretrained`` in several files) is built in fp32 and its weights put into the shards, with
    ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
