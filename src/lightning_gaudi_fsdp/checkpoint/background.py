@@ -77,7 +77,6 @@ class BackgroundSaver:
         self._group: Any = None
         self._group_made = False
         self.active = False  # whether saves go to the background now (the strategy arms it while fit runs)
-        self.staging_waited = 0.0  # seconds wait_staged blocked, in all (for the benchmark)
         self.deferred_bytes = 0  # of the last save: bytes its thread copied after save() returned
 
     @property
@@ -133,9 +132,7 @@ class BackgroundSaver:
         if not job.staged.wait(LONG_WAIT_S):
             log.warning(f"[rank {rank}] the optimizer step waits for the background copy of {str(job.path)!r}")
             job.staged.wait()
-        waited = time.monotonic() - started
-        self.staging_waited += waited
-        return waited
+        return time.monotonic() - started
 
     def defer_removal(self, remove: Callable[[], None]) -> None:
         """Run ``remove`` once the save in flight has committed (now, if none is in flight); never if it failed."""
