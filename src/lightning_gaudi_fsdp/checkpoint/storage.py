@@ -52,7 +52,9 @@ def check_free_space_enabled(explicit: bool | None = None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ size estimate
-class _ByteCounter:
+class ByteCounter:
+    """A file-like sink that only counts what is written to it (for pickling passes that need no output)."""
+
     def __init__(self) -> None:
         self.count = 0
 
@@ -100,7 +102,7 @@ def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage"
                     totals["bytes"] += storage.nbytes()
             return totals["tensors"]
 
-    sink = _ByteCounter()
+    sink = ByteCounter()
     with contextlib.suppress(Exception):  # what cannot be pickled fails in the save itself, with its own message
         _Pickler(sink, protocol=2).dump(obj)
     return sink.count + totals["bytes"] + totals["tensors"] * _PER_TENSOR_BYTES[tensors] + _PER_FILE_BYTES

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from lightning_gaudi_fsdp.checkpoint.storage import ByteCounter
+
 log = logging.getLogger(__name__)
 
 _SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
@@ -175,11 +177,7 @@ def _storage_order(obj: Any) -> list[int]:
                 return len(seen)
             return None
 
-    class _Sink:
-        def write(self, data: Any) -> int:
-            return len(data)
-
-    _Pickler(_Sink(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    _Pickler(ByteCounter(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
     return list(seen.values())
 
 
