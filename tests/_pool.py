@@ -16,6 +16,7 @@ The server itself never touches a tensor or a process group, so forking it is sa
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
@@ -49,6 +50,8 @@ def _rank_main(request: dict[str, Any], rank: int) -> int:
     os.dup2(devnull, 0)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A scenario that hangs is sent SIGUSR1 before it is killed: every thread's stack goes to the rank's stderr log.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     env = dict(request["env"])
     if request["distributed"]:
         env.update(

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,7 @@ class ScenarioPool:
                 raise EOFError("the scenario pool did not start the ranks within 60 s")
             done = self._read(timeout=timeout)
             if done is None:
+                _dump_stacks(started["pgid"])  # into each rank's stderr log, shown below
                 _kill_leftovers(started["pgid"])  # every rank of this scenario; the pool then reaps them
                 self._read(timeout=30)
                 pytest.fail(f"scenario {name} hung for more than {timeout}s:\n{_logs(logs, nprocs)}")
@@ -275,8 +277,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _POOL.close()
 
 
-def _tail(text: str | None, n: int = 4000) -> str:
+def _tail(text: str | None, n: int = 6000) -> str:
     return (text or "")[-n:]
+
+
+def _dump_stacks(pgid: int, wait_s: float = 2.0) -> None:
+    """Ask every rank of a hung scenario for the stacks of all its threads (the pool's ranks write them to their
+    stderr logs on SIGUSR1)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGUSR1)
+        time.sleep(wait_s)
 
 
 def _kill_leftovers(pgid: int) -> None:
