@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, namedtuple
 from pathlib import Path
 
@@ -204,6 +205,28 @@ def test_save_returns_at_once_and_removals_wait_for_the_commit():
     assert (gathered, group) == (["ok"], None)  # no process group here: the thread's gather is this rank alone
     saver.defer_removal(lambda: order.append("now"))  # nothing in flight: at once
     assert order == ["removed old", "now"]
+
+
+def test_after_finish_no_save_thread_is_left_holding_what_it_wrote():
+    """The thread's last act drops its references (to the staged copy, the background group): ``finish`` returns only
+    after that, so the group is destroyed by one thread alone (on torch 2.6 a destroy racing gloo's destructor in the
+    save thread hung the run)."""
+    go, released = threading.Event(), threading.Event()
+
+    class Write:  # the last reference to it is the thread's: dropped as the thread ends
+        def __call__(self, staged, gather, group) -> None:
+            assert go.wait(10)
+
+        def __del__(self) -> None:
+            time.sleep(0.3)
+            released.set()
+
+    saver = BackgroundSaver()
+    saver.save({"w": torch.ones(2)}, Path("new.ckpt"), Write(), rank=0, gather=_alone)
+    go.set()
+    saver.finish(rank=0, gather=_alone)
+    assert released.is_set()
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint save")]
 
 
 def test_a_failed_background_save_raises_at_the_next_save_and_keeps_the_older_checkpoint():

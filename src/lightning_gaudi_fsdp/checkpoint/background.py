@@ -59,6 +59,7 @@ class _Job:
     error: BaseException | None = None
     committed: bool = False
     removals: list[Callable[[], None]] = field(default_factory=list)
+    thread: threading.Thread | None = None
 
 
 class BackgroundSaver:
@@ -112,6 +113,7 @@ class BackgroundSaver:
             name=f"checkpoint save {path}",
             daemon=True,
         )
+        job.thread = thread
         self._job = job
         thread.start()
         blocked = time.monotonic() - started
@@ -171,6 +173,11 @@ class BackgroundSaver:
                 log.error(f"[rank {rank}] gave up waiting for the background save of {str(job.path)!r}")
                 self._job = None
                 return
+        # The thread has set ``done``; let it end too. Its last act drops its references to the staged copy and to
+        # the background group: were that the group's last reference, gloo's destructor would run in that thread
+        # while this one destroys the group (torch 2.6 deadlocks there).
+        if job.thread is not None:
+            job.thread.join()
         self._job = None
         error = job.error
         if not agree:
