@@ -80,6 +80,7 @@ def test_yaml_spellings_become_torch_objects():
         ({"device_mesh": [2, 2]}, ValueError, "only applies to hybrid sharding"),
         ({"cpu_offload": "no"}, TypeError, "cpu_offload must be True or False, got str 'no'"),
         ({"check_free_space": "no"}, TypeError, "check_free_space must be True or False, got str 'no'"),
+        ({"checkpoint_crc32": "yes"}, TypeError, "checkpoint_crc32 must be True or False, got str 'yes'"),
         ({"async_save": "true"}, TypeError, "async_save must be True or False, got str 'true'"),
         ({"async_save": 1}, TypeError, "async_save must be True or False, got int 1"),
     ],

@@ -78,6 +78,7 @@ def save_checkpoint(
         world_size=door.world_size,
         local_metadata=local_metadata,
         check_free_space=door._check_free_space,
+        crc32=door._checkpoint_crc32,
     )
 
     def gather(obj: Any) -> list[Any]:

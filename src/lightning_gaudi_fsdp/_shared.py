@@ -53,6 +53,7 @@ class Resolved:
     eager_pipeline: bool | None
     keep_batch_dtypes: bool
     check_free_space: bool | None
+    checkpoint_crc32: bool
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
@@ -83,6 +84,7 @@ def resolve(
     eager_pipeline: Any = None,
     fsdp_version: Any = 1,
     check_free_space: Any = None,
+    checkpoint_crc32: Any = False,
     pretrained_weights: Any = None,
     pretrained_prefix: Any = "",
     failure_timeout: Any = None,
@@ -163,6 +165,7 @@ def resolve(
         check_free_space=None
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
+        checkpoint_crc32=options.resolve_bool(checkpoint_crc32, "checkpoint_crc32"),
         pretrained=weights,
         failure_timeout=_liveness.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
@@ -203,6 +206,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._eager_pipeline = resolved.eager_pipeline
     door._keep_batch_dtypes = resolved.keep_batch_dtypes
     door._check_free_space = resolved.check_free_space
+    door._checkpoint_crc32 = resolved.checkpoint_crc32
     door._pretrained = resolved.pretrained
     door._failure_timeout = resolved.failure_timeout
     door._stuck_timeout = resolved.stuck_timeout

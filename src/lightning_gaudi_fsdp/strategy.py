@@ -92,6 +92,10 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             its file system and refuse the save before anything is written when it is short. ``None`` (default)
             reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
             systems that report free space wrongly.
+        checkpoint_crc32: ``True`` writes a CRC32 of each record into the checkpoint's zip archives, as
+            ``torch.save`` does by default. ``False`` (default) leaves them out: ``torch.load`` and torch's distributed
+            checkpoint reader never check them, and computing them took as long as writing the bytes. Set it if you
+            verify checkpoint files with zip tools (``unzip -t``, ``zipfile.testzip``).
         failure_timeout: seconds (default 60) any rank waits for others outside a collective before it leaves with
             exit code 1 and a message naming itself and what it waited for: the rendezvous (a rank or the store's
             host lost before or while the process group forms), and the rendezvous store lost during ``fit``.
@@ -154,6 +158,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         eager_pipeline: bool | None = None,
         fsdp_version: int = 1,
         check_free_space: bool | None = None,
+        checkpoint_crc32: bool = False,
         pretrained_weights: str | None = None,
         pretrained_prefix: str = "",
         failure_timeout: float | None = None,

@@ -275,3 +275,44 @@ def test_convert_into_a_full_disk_says_so_and_leaves_nothing(small_tmpfs, tmp_pa
     assert os.listdir(root) == []
     assert main(["convert", str(src), str(dst), "--to", to]) == 2
     assert capsys.readouterr().err.startswith(f"lightning-gaudi-fsdp convert: error: {prefix}refused before writing")
+
+
+@pytest.mark.versions
+def test_archives_are_written_without_checksums_inside_and_torchs_setting_comes_back(tmp_path):
+    """``zip_checksums(False)`` (a checkpoint save with ``checkpoint_crc32=False``): no CRC32 in what torch.save
+    writes inside, in the training loop's thread or a background save's; afterwards torch's own setting is what it
+    was, whichever it was. torch.load reads either archive."""
+    import threading
+    import zipfile
+
+    def save(name: str) -> Path:
+        torch.save({"w": torch.arange(4.0)}, tmp_path / name)
+        return tmp_path / name
+
+    def checksummed(path: Path) -> bool:
+        return zipfile.ZipFile(path).testzip() is None
+
+    def background_save() -> None:
+        with storage.zip_checksums(False):
+            save("background.pt")
+
+    assert torch.serialization.get_crc32_options() is True  # torch's default
+    with storage.zip_checksums(False):
+        first = save("first.pt")
+    thread = threading.Thread(target=background_save)
+    thread.start()
+    thread.join()
+    assert not checksummed(first)
+    assert not checksummed(tmp_path / "background.pt")
+    assert checksummed(save("after.pt"))  # the user's torch.save writes them again
+    with storage.zip_checksums(True):
+        assert checksummed(save("asked.pt"))
+    assert torch.equal(torch.load(first, weights_only=True)["w"], torch.arange(4.0))
+
+    torch.serialization.set_crc32_options(False)  # a user who turned them off keeps them off
+    try:
+        with storage.zip_checksums(False):
+            pass
+        assert torch.serialization.get_crc32_options() is False
+    finally:
+        torch.serialization.set_crc32_options(True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +77,7 @@ def uninterrupted(tmp_path_factory):
     runs: dict[str, dict] = {}
 
     def get(strategy: dict, module: dict) -> dict:
-        training = {k: v for k, v in strategy.items() if k not in ("state_dict_type", "async_save")}
+        training = {k: v for k, v in strategy.items() if k not in ("state_dict_type", "async_save", "checkpoint_crc32")}
         key = json.dumps([training, module], sort_keys=True)
         if key not in runs:
             cfg = {"strategy": training, "module": module, "max_steps": 2 * STEPS_PER_EPOCH}
@@ -83,6 +85,15 @@ def uninterrupted(tmp_path_factory):
         return runs[key]
 
     return get
+
+
+def _checksummed(ckpt: Path) -> list[bool]:
+    """For each zip archive of a checkpoint (DCP's ``.distcp`` files aside): whether it carries a CRC32 of each
+    record (``zipfile``'s test finds none bad)."""
+    files = [ckpt] if ckpt.is_file() else sorted(p for p in ckpt.iterdir() if p.suffix != ".distcp")
+    archives = [f for f in files if zipfile.is_zipfile(f)]
+    assert archives, files
+    return [zipfile.ZipFile(f).testzip() is None for f in archives]
 
 
 def _streamed(run) -> bool:
@@ -94,6 +105,8 @@ def _streamed(run) -> bool:
 def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt, sharding, engine):
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "state_dict_type": fmt}
     strategy["fsdp_version"] = engine
+    # CRC32s in the zip archives only when asked for: torch.load never checks them (the resume below loads either)
+    strategy["checkpoint_crc32"] = crc32 = sharding == "SHARD_GRAD_OP"
     k = STEPS_PER_EPOCH
     straight = uninterrupted(strategy, _module())
     ckpt = tmp_path / f"ckpt-{fmt}"
@@ -110,6 +123,7 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
     )
     assert first.final()["step"] == k
     assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
+    assert set(_checksummed(ckpt)) == {crc32}
     # full checkpoints of a sharded model are streamed (torch's own path gathers NO_SHARD's), unless a hook reads them
     assert _streamed(first) == (fmt == "full" and sharding != "NO_SHARD" and not hooked)
     if hooked:  # the hook saw real values: those of the file

@@ -266,6 +266,7 @@ def save(
     check_free_space: bool | None = None,
     process_group: Any = None,
     stream: FullStream | None = None,
+    crc32: bool = False,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
@@ -274,7 +275,8 @@ def save(
     writing. If any rank fails, or free space is short before anything is written, every rank raises
     the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`). ``stream``: the
     :class:`~.streaming.FullStream` the full ``checkpoint`` was built with; in the write step rank 0 receives and
-    writes each tensor in turn while the other ranks send their pieces."""
+    writes each tensor in turn while the other ranks send their pieces. ``crc32``: the zip archives carry a CRC32
+    of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them)."""
     path = Path(path)
     directory = fmt != "full"
     staging = commit.staging_path(path)
@@ -298,16 +300,17 @@ def save(
             lambda: save_file(shard, staging / local_shard_name(rank)),
             lambda: _finish_local(rest, staging, world_size, meta) if rank == 0 else None,
         ]
-    return storage.write_atomically(
-        path,
-        writes,
-        directory=directory,
-        needed=lambda: bytes_to_write(fmt, checkpoint, rank, local_metadata),
-        check_free_space=check_free_space,
-        rank=rank,
-        gather=gather,
-        before=refuse_non_checkpoint_directory,
-    )
+    with storage.zip_checksums(crc32):
+        return storage.write_atomically(
+            path,
+            writes,
+            directory=directory,
+            needed=lambda: bytes_to_write(fmt, checkpoint, rank, local_metadata),
+            check_free_space=check_free_space,
+            rank=rank,
+            gather=gather,
+            before=refuse_non_checkpoint_directory,
+        )
 
 
 def bytes_to_write(

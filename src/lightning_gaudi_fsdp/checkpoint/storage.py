@@ -10,7 +10,9 @@ into it any more, so clean-up never causes a second error that hides the first.
 Before anything is written, every rank reports the bytes it is about to write and the free space of its target file
 system; a file system that cannot hold what its ranks write refuses the save. ``check_free_space=False`` on the
 strategy (or ``convert``), or ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE=0``, turns that check off for file systems that
-report free space wrongly. Nothing here knows state-dict formats.
+report free space wrongly. :func:`zip_checksums` switches off ``torch.save``'s CRC32 of each record while a checkpoint
+is written (``checkpoint_crc32=False``, the default): ``torch.load`` never checks them, and computing them took about
+as long as writing the bytes. Nothing here knows state-dict formats.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import os
 import pickle
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -415,6 +417,27 @@ class _Attempt:
 
 def _alone(obj: Any) -> list[Any]:
     return [obj]
+
+
+@contextlib.contextmanager
+def zip_checksums(enabled: bool) -> Iterator[None]:
+    """Write ``torch.save`` archives with (``enabled``) or without a CRC32 of each record while the block runs in
+    this thread (where the checkpoint's writers run: the training loop's, or a background save's).
+
+    ``torch.load`` (and the distributed checkpoint reader) never verify them; only zip tools (``unzip -t``) do. The
+    switch is torch's ``set_crc32_options``, restored on the way out: per thread on torch >= 2.10, process-wide
+    before, where a ``torch.save`` of your own during a background save also writes none (it loads all the same).
+    The doors never run two saves at once."""
+    if enabled:
+        yield
+        return
+    serialization = torch.serialization
+    found = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        serialization.set_crc32_options(found)
 
 
 def write_atomically(
