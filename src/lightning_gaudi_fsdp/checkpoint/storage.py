@@ -425,9 +425,9 @@ def zip_checksums(enabled: bool) -> Iterator[None]:
     this thread (where the checkpoint's writers run: the training loop's, or a background save's).
 
     ``torch.load`` (and the distributed checkpoint reader) never verify them; only zip tools (``unzip -t``) do. The
-    switch is torch's ``set_crc32_options``, restored on the way out: per thread on torch >= 2.10, process-wide
-    before, where a ``torch.save`` of your own during a background save also writes none (it loads all the same).
-    The doors never run two saves at once."""
+    switch is torch's ``set_crc32_options``, restored on the way out: per thread on torch 2.13, process-wide on
+    2.6 to 2.9, where a ``torch.save`` of your own during a background save also writes none (it loads all the
+    same). The doors never run two saves at once."""
     if enabled:
         yield
         return
