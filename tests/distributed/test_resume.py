@@ -112,15 +112,25 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
     ckpt = tmp_path / f"ckpt-{fmt}"
     # one full case with an on_save_checkpoint hook: the state is gathered before the hook sees it, not streamed
     hooked = fmt == "full" and sharding == "SHARD_GRAD_OP"
+    # one streamed case where, a step earlier, a save failed while Lightning built the checkpoint (after the model's
+    # state was planned for streaming) and then a checkpoint made by hand was passed to strategy.save_checkpoint
+    by_hand = tmp_path / "by-hand.ckpt" if (fmt, sharding, engine) == ("full", "FULL_SHARD", 1) else None
     first = scenario(
         {
             "strategy": strategy,
             "module": _module(),
             "max_steps": k,
             "hook_reads_checkpoint": hooked,
+            **({"failed_build_then_direct_save": [k - 1, str(by_hand)]} if by_hand else {}),
             **_save_at(k, ckpt),
         }
     )
+    if by_hand is not None:  # the plan left unused costs no wait: the hand-made checkpoint is written as given
+        for rank in (0, 1):
+            failed = json.loads((first.out / f"direct{rank}.json").read_text())["error"]
+            assert failed == "this callback's state_dict failed on purpose"
+        assert torch.load(by_hand, weights_only=True)["note"] == "made by hand"
+        assert not (tmp_path / "by-hand.ckpt.failed").exists()
     assert first.final()["step"] == k
     assert ckpt.is_file() if fmt == "full" else ckpt.is_dir()
     assert set(_checksummed(ckpt)) == {crc32}

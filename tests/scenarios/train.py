@@ -179,6 +179,34 @@ class SeesCheckpoint(Callback):
             write_json(self.out, "hook_saw.json", {"weights_sum": total})
 
 
+class FailedBuildThenDirectSave(Callback):
+    """At ``step``: a ``trainer.save_checkpoint`` whose build fails after the model's state was built (this
+    callback's ``state_dict`` raises), then ``strategy.save_checkpoint`` of a checkpoint made by hand, to ``path``.
+    What the failed save raised goes to ``direct<rank>.json``."""
+
+    def __init__(self, step: int, path: str, out: Path) -> None:
+        self.step, self.path, self.out = step, path, out
+        self.failing = False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.failing:
+            raise RuntimeError("this callback's state_dict failed on purpose")
+        return {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        self.failing, error = True, None
+        try:
+            trainer.save_checkpoint(self.path + ".failed")
+        except RuntimeError as err:
+            error = str(err)
+        finally:
+            self.failing = False
+        trainer.strategy.save_checkpoint({"note": "made by hand", "step": self.step}, self.path)
+        write_json(self.out, f"direct{trainer.global_rank}.json", {"error": error})
+
+
 class SaveAtStep(Callback):
     """Save where ModelCheckpoint would: inside the loop, after the optimizer step of ``step``. ``paths``: a path per
     step (``{"2": ...}``) instead of ``path``; ``catch``: steps whose save records a ``CheckpointSaveError`` instead of
@@ -527,6 +555,9 @@ def main() -> None:
         callbacks.append(kill_at)
     if cfg.get("hook_reads_checkpoint"):
         callbacks.append(SeesCheckpoint(out))
+    if cfg.get("failed_build_then_direct_save"):
+        step, path = cfg["failed_build_then_direct_save"]
+        callbacks.append(FailedBuildThenDirectSave(step, path, out))
     if cfg.get("save_at_step"):
         callbacks.append(
             SaveAtStep(
