@@ -428,12 +428,9 @@ def zip_checksums(enabled: bool) -> Iterator[None]:
     switch is torch's ``set_crc32_options``, restored on the way out: per thread on torch 2.13, process-wide on
     2.6 to 2.9, where a ``torch.save`` of your own during a background save also writes none (it loads all the
     same). The doors never run two saves at once."""
-    if enabled:
-        yield
-        return
     serialization = torch.serialization
     found = serialization.get_crc32_options()
-    serialization.set_crc32_options(False)
+    serialization.set_crc32_options(enabled)
     try:
         yield
     finally:
