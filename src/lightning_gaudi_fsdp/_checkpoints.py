@@ -113,10 +113,11 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
     accelerator the copy is made at once, into pinned memory at DMA speed."""
     from lightning_gaudi_fsdp.checkpoint.layout import _clean
+    from lightning_gaudi_fsdp.engine import fsdp1_state
 
     named = [(_clean(name), param) for name, param in model.named_parameters()]
     names = {id(param): name for name, param in named}
-    flat = [module._handle.flat_param for module in model.modules() if getattr(module, "_handle", None)]
+    flat = fsdp1_state.flat_params(model)
     watch: list[tuple[str, torch.Tensor]] = list(named)
     for optimizer in optimizers:
         for param, state in optimizer.state.items():

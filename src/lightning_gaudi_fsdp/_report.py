@@ -53,19 +53,11 @@ def fsdp_unit_count(model: Module) -> int:
 def held_elements(model: Module) -> int:
     """Elements of the flat parameters (FSDP1) or parameter shards (FSDP2) this rank holds (its shards, or whole
     parameters where unsharded)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from lightning_gaudi_fsdp.engine import fsdp2
+    from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
 
     if fsdp2.is_fsdp2(model):
         return fsdp2.held_elements(model)
-
-    flat_params = {
-        id(m._handle.flat_param): m._handle.flat_param
-        for m in model.modules()
-        if isinstance(m, FSDP) and m._handle is not None
-    }
-    return sum(p.numel() for p in flat_params.values())
+    return sum(p.numel() for p in fsdp1_state.flat_params(model))
 
 
 def _held_row(held_per_rank: list[int]) -> str:

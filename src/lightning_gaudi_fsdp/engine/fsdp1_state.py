@@ -120,6 +120,16 @@ def _fsdp_class() -> type:
     return FullyShardedDataParallel
 
 
+def flat_params(model: Module) -> list[torch.Tensor]:
+    """Each FSDP1 unit's flat parameter in ``model``, once each, in module order (none for an FSDP2 model)."""
+    found = {
+        id(m._handle.flat_param): m._handle.flat_param
+        for m in model.modules()
+        if isinstance(m, _fsdp_class()) and m._handle is not None
+    }
+    return list(found.values())
+
+
 def _units(model: Module) -> Iterator[_Unit]:
     from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
 
