@@ -175,6 +175,7 @@ def main() -> None:
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
     }
     info["meta_before_setup"] = all(p.is_meta for p in module.parameters())
+    saved_streamed: StreamedSaves | None = None  # counts the full checkpoints the save below wrote streamed
     model = fabric.setup_module(module)
     optimizer, scheduler = make_optimizer(model.parameters())
     optimizer = fabric.setup_optimizers(optimizer)
@@ -253,7 +254,7 @@ def main() -> None:
                 reference_losses.append(float(loss))
         state["epoch"] = epoch + 1
         if cfg.get("save") and state["epoch"] == cfg.get("save_after_epoch", 1):
-            streamed = StreamedSaves()
+            streamed = saved_streamed = StreamedSaves()
             started = time.monotonic()
             fabric.save(cfg["save"], state)
             background = fabric.strategy._background
@@ -262,19 +263,17 @@ def main() -> None:
                 "in_flight": background is not None and background.in_flight,
                 "committed_on_return": Path(cfg["save"]).exists(),
                 "streamed": streamed.count > 0,  # rank 0 wrote it as its tensors arrived
-                "_streamed": streamed,
             }
 
     if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save
-        info.get("save", {}).pop("_streamed", None)
         write_json(out, f"rank{rank}.json", info)
         return
     if cfg.get("raw_checks"):
         info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)
     fabric.strategy.teardown()  # waits for a background save (fabric.save with async_save=True)
     info["committed_after_teardown"] = bool(cfg.get("save")) and Path(cfg["save"]).exists()
-    if "save" in info:  # a background full save is streamed too, after fabric.save returned
-        info["save"]["streamed_by_teardown"] = info["save"].pop("_streamed").count > 0
+    if saved_streamed is not None:  # a background full save is streamed too, after fabric.save returned
+        info["save"]["streamed_by_teardown"] = saved_streamed.count > 0
 
     # collectives
     def mine() -> torch.Tensor:
