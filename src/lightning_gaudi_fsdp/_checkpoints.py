@@ -15,7 +15,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
-from lightning_gaudi_fsdp._shared import gather_objects
+from lightning_gaudi_fsdp._platform import gather_objects
 from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer

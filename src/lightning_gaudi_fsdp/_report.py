@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Module
 
+from lightning_gaudi_fsdp._platform import gather_objects
+
 if TYPE_CHECKING:
     from typing import Any
 
@@ -127,3 +129,30 @@ def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
         return f"{len(units_a)} FSDP units {sorted(units_a)[:4]} vs {len(units_b)} units {sorted(units_b)[:4]}"
     unit = next(k for k in units_a if units_a[k] != units_b[k])
     return f"unit {unit or '<root>'!r} holds {units_a[unit]} vs {units_b[unit]} parameters"
+
+
+def check_ranks_agree(door: Any, model: Module) -> list[int]:
+    """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+    fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+    flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
+    own = fingerprint(model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((own, held_elements(model)), door.world_size)
+    gathered = [pair[0] for pair in gathered_pairs]
+    for rank, other in enumerate(gathered):
+        if other != own:
+            diff = describe_difference(gathered[0], other)
+            raise ValueError(
+                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
+                "build the same model with the same strategy arguments"
+            )
+    return [pair[1] for pair in gathered_pairs]
+
+
+def announce(door: Any, model: Module, precision: tuple[str, str], show: bool = True) -> None:
+    """Once the model is set up: every rank checks that all ranks wrapped it alike (:func:`check_ranks_agree`), then
+    rank 0 prints the configuration table (when ``show``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    held_per_rank = check_ranks_agree(door, model)
+    if show and door.global_rank == 0:
+        rank_zero_info(configuration_table(door, model, held_per_rank, precision))

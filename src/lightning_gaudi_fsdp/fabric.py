@@ -1,9 +1,9 @@
 """``GaudiFSDPStrategy`` for Lightning Fabric: the same FSDP on Intel Gaudi (or CPU processes over gloo) as the
 Trainer's strategy, with the same arguments, engines and checkpoints.
 
-The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are two thin doors onto :mod:`._shared`
-(argument resolution, Gaudi runtime, wrapping with either engine, checked loading), :mod:`.precision` and
-:mod:`.checkpoint`; here are only Fabric's hooks.
+The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are two thin doors onto :mod:`._config`
+(argument resolution), :mod:`._platform` (Gaudi runtime), :mod:`._sharding` (wrapping with either engine),
+:mod:`._checkpoints` (checked loading), :mod:`.precision` and :mod:`.checkpoint`; here are only Fabric's hooks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _report, _sharding, precision
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
@@ -42,7 +42,7 @@ _VERSION_KEY = "pytorch-lightning_version"  # the Trainer refuses a checkpoint w
 _TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", _VERSION_KEY)
 
 
-class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
+class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel on Intel Gaudi for Lightning Fabric, rehearsable on CPU processes over gloo.
 
     Takes, as keyword arguments, those of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there
@@ -82,7 +82,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         async_save: bool = False,
         **arguments: Any,
     ) -> None:
-        resolved = _shared.resolve_keywords(type(self).__name__, arguments)
+        resolved = _config.resolve_keywords(type(self).__name__, arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -90,7 +90,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             precision=precision,
             **resolved.parent,
         )
-        _shared.adopt(self, resolved, self._fsdp_kwargs)
+        _config.adopt(self, resolved, self._fsdp_kwargs)
         self._backward_sync_control = _NoSync()
         self._background = _checkpoints.background_saver(async_save, self._timeout)
         if self._background is not None:
@@ -127,10 +127,10 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         """Wait for the background save in flight (raising its failure on every rank), stop the heartbeat."""
         try:
             if self._background is not None:
-                gather = functools.partial(_shared.gather_objects, world_size=self.world_size)
+                gather = functools.partial(_platform.gather_objects, world_size=self.world_size)
                 self._background.finish(rank=self.global_rank, gather=gather)
         finally:
-            _shared.stop_heartbeat(self)
+            _platform.stop_heartbeat(self)
             # Lightning's Strategy.teardown, less checkpoint_io.teardown(): its Fabric FSDPStrategy raises
             # NotImplementedError from the checkpoint_io property, so the inherited teardown cannot run.
             self.cluster_environment.teardown()  # type: ignore[union-attr]
@@ -145,18 +145,18 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
         if self._fsdp_version == 2:
             if not fsdp2.is_fsdp2(module):
-                _shared.shard_fsdp2(self, module)
+                _sharding.shard_fsdp2(self, module)
         elif any(isinstance(m, FSDP) for m in module.modules()):
-            _shared.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
+            _sharding.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
             module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
             if isinstance(module, FSDP):
-                _shared.keep_batch_dtypes(self, module)
+                _sharding.keep_batch_dtypes(self, module)
         else:
-            module = _shared.wrap_fsdp1(self, module)
+            module = _sharding.wrap_fsdp1(self, module)
         if self._compile_kwargs is not None:
-            _shared.compile_root(self, module)
+            _sharding.compile_root(self, module)
         self.precision.attach(module)
-        _shared.announce(self, module, ("Fabric precision", str(self.precision.precision)))
+        _report.announce(self, module, ("Fabric precision", str(self.precision.precision)))
         self._models.add(module)
         return module
 
@@ -177,8 +177,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
         stack = ExitStack()
         if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
-            stack.enter_context(enable_wrap(**_shared.wrap_context_kwargs(self)))
-        stack.enter_context(_shared.init_context(self))
+            stack.enter_context(enable_wrap(**_sharding.wrap_context_kwargs(self)))
+        stack.enter_context(_sharding.init_context(self))
         return stack
 
     @override
@@ -192,11 +192,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     ) -> torch.Tensor:
         """Clip by the norm over every shard on every rank, on either engine."""
         self.precision.unscale_gradients(optimizer)
-        return _shared.clip_grad_norm(module, max_norm, norm_type)
+        return _sharding.clip_grad_norm(module, max_norm, norm_type)
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
+        return _platform.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _shared
+from lightning_gaudi_fsdp import _sharding
 
 _LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -69,7 +69,7 @@ class GaudiFSDPPrecision(_OnDevice, FSDPPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # type: ignore[override]
-        _shared.clip_grad_norm(self._fsdp_root, clip_val)
+        _sharding.clip_grad_norm(self._fsdp_root, clip_val)
 
 
 class GaudiFabricFSDPPrecision(_OnDevice, FabricFSDPPrecision):

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _report, _sharding, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -41,7 +41,7 @@ _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
 
 
-class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
+class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel (torch FSDP1) on Intel Gaudi, in eager mode over HCCL.
 
     With ``Trainer(accelerator="cpu")`` the same strategy runs real FSDP in CPU processes over gloo, so a
@@ -165,7 +165,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         stuck_timeout: float | None = None,
         async_save: bool = False,
     ) -> None:
-        resolved = _shared.resolve_from(locals())
+        resolved = _config.resolve_from(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -174,7 +174,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             precision_plugin=precision_plugin,
             **resolved.parent,
         )
-        _shared.adopt(self, resolved, self.kwargs)
+        _config.adopt(self, resolved, self.kwargs)
         self._background = _checkpoints.background_saver(async_save, self._timeout)
         self._pending_stream: FullStream | None = None  # the full checkpoint being built, streamed (see below)
         self._fsdp_root: Module | None = None
@@ -187,7 +187,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         try:
             self._finish_background_saves()
         finally:
-            _shared.stop_heartbeat(self)
+            _platform.stop_heartbeat(self)
             super().teardown()
 
     @override
@@ -200,7 +200,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """On ``hccl`` a mean (``self.log(sync_dist=True)``, ``strategy.reduce``) is a sum divided by the group's
         size: HCCL has no AVG."""
-        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().reduce)
+        return _platform.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().reduce)
 
     # ---------------------------------------------------------------------------------------------------- precision
     @property
@@ -219,7 +219,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     # -------------------------------------------------------------------------------------------------- wrapping
     def _fsdp_device(self) -> torch.device:
-        return _shared.fsdp_device(self)
+        return _sharding.fsdp_device(self)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -233,18 +233,18 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
-            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
+            _sharding.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
                 self._cache_off_in_training = activation.apply_cache_off_in_training(model)
             if isinstance(model, FSDP):
-                _shared.keep_batch_dtypes(self, model)
+                _sharding.keep_batch_dtypes(self, model)
         else:
             self._warn_if_precision_overlaps()
-            model = _shared.wrap_fsdp1(self, model)
+            model = _sharding.wrap_fsdp1(self, model)
         self._fsdp_root = model if isinstance(model, FSDP) else None
         if self._compile_kwargs is not None and previous is not model:
-            _shared.compile_root(self, model)
+            _sharding.compile_root(self, model)
         self.precision_plugin.attach(model)
         return model
 
@@ -253,9 +253,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
         if fsdp2.is_fsdp2(model):  # validate/test/predict after fit: already sharded in place
             return model
-        _shared.shard_fsdp2(self, model)
+        _sharding.shard_fsdp2(self, model)
         if self._compile_kwargs is not None:
-            _shared.compile_root(self, model)
+            _sharding.compile_root(self, model)
         self.precision_plugin.attach(model)
         return model
 
@@ -265,14 +265,14 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(**_shared.wrap_context_kwargs(self)), _shared.init_context(self):
+        with enable_wrap(**_sharding.wrap_context_kwargs(self)), _sharding.init_context(self):
             yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
-        _shared.announce(
+        _report.announce(
             self,
             self._wrapped_model(),
             ("Trainer precision", str(self.precision_plugin.precision)),
@@ -350,7 +350,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         return output
 
     def _effective_cpu_offload(self, warn: bool = True) -> CPUOffload:
-        return _shared.effective_cpu_offload(self, warn)
+        return _sharding.effective_cpu_offload(self, warn)
 
     def _warn_if_precision_overlaps(self) -> None:
         plugin_precision = self.precision_plugin.precision
@@ -448,7 +448,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         )
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        return _shared.gather_objects(obj, self.world_size)
+        return _platform.gather_objects(obj, self.world_size)
 
 
 def _building_checkpoint_to_save() -> bool:

@@ -49,7 +49,7 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True) -> bool:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first); whether the stream
     planned anything."""
-    from lightning_gaudi_fsdp._shared import gather_objects
+    from lightning_gaudi_fsdp._platform import gather_objects
     from lightning_gaudi_fsdp.checkpoint import formats
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
