@@ -250,16 +250,16 @@ def test_trainer_weights_only_is_read_from_the_running_trainer_call():
     reads it from ``Trainer._run``'s frame. This pins the shape that relies on."""
     import inspect
 
-    from lightning_gaudi_fsdp.strategy import _fit_weights_only
+    from lightning_gaudi_fsdp.adapters.lightning_internals import fit_weights_only
 
     trainer = object()
 
     def _run(self: object, weights_only: bool | None) -> bool | None:  # the shape of Trainer._run
-        return _fit_weights_only(trainer)
+        return fit_weights_only(trainer)
 
     assert _run(trainer, False) is False
     assert _run(trainer, None) is None
     assert _run(object(), False) is None  # another Trainer's call
-    assert _fit_weights_only(trainer) is None
+    assert fit_weights_only(trainer) is None
     if "weights_only" in inspect.signature(L.Trainer.fit).parameters:
         assert "weights_only" in inspect.signature(L.Trainer._run).parameters

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._platform import gather_objects
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
@@ -112,10 +113,9 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     their memory with ``model``'s parameters (FSDP1's flat parameters included) or ``optimizers``' state, which only
     an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
     accelerator the copy is made at once, into pinned memory at DMA speed."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
     from lightning_gaudi_fsdp.engine import fsdp1_state
 
-    named = [(_clean(name), param) for name, param in model.named_parameters()]
+    named = [(clean_name(name), param) for name, param in model.named_parameters()]
     names = {id(param): name for name, param in named}
     flat = fsdp1_state.flat_params(model)
     watch: list[tuple[str, torch.Tensor]] = list(named)

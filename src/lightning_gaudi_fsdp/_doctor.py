@@ -37,7 +37,6 @@ def _lightning_habana() -> Check:
 
 def _fsdp2_engine() -> Check:
     """Whether ``fsdp_version=2`` can run on this torch, and whether FSDP2's own kernels are registered for HPU."""
-    import torch
 
     if not _compat.FSDP2_FORCE_SUM_REDUCTION:
         return Check(
@@ -46,9 +45,9 @@ def _fsdp2_engine() -> Check:
             ok=False,
             fix="the default engine (fsdp_version=1) works on this torch; FSDP2 needs a container with torch >= 2.8",
         )
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
+    from lightning_gaudi_fsdp.adapters import torch_internals
 
-    hpu = torch._C._dispatch_has_kernel_for_dispatch_key("fsdp::all_gather_copy_in", "HPU")
+    hpu = torch_internals.has_hpu_kernel("fsdp::all_gather_copy_in")
     return Check(
         "FSDP2 engine (fsdp_version=2)",
         f"available: fully_shard, SUM reductions on hccl, HPU kernels {'registered' if hpu else 'missing'}",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from torch.nn import Module
 
 from lightning_gaudi_fsdp._platform import gather_objects
+from lightning_gaudi_fsdp.adapters import fsdp1_internals
 
 if TYPE_CHECKING:
     from typing import Any
@@ -106,19 +107,12 @@ def compiled_units(names: list[str]) -> None:
 
 def fingerprint(model: Module, sharding: str) -> dict[str, object]:
     """What every rank must agree on: sharding, the FSDP units and the unsharded size of each unit."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
     from lightning_gaudi_fsdp.engine import fsdp2
 
     if fsdp2.is_fsdp2(model):
         return {"sharding_strategy": sharding, "units": fsdp2.unit_names(model)}
-    units = {
-        _clean(name): (m._handle.flat_param._unpadded_unsharded_size.numel() if m._handle is not None else 0)
-        for name, m in model.named_modules()
-        if isinstance(m, FSDP)
-    }
-    return {"sharding_strategy": sharding, "units": units}
+    return {"sharding_strategy": sharding, "units": fsdp1_internals.unit_sizes(model)}
 
 
 def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:

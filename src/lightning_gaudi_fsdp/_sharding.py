@@ -17,6 +17,7 @@ from torch.nn import Module, Parameter
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._platform import gather_objects
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 
 log = logging.getLogger("lightning_gaudi_fsdp")
@@ -56,7 +57,6 @@ def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
 def wrap_fsdp1(door: Any, model: Module) -> Module:
     """Wrap ``model`` (no FSDP unit inside yet) in ``FullyShardedDataParallel`` with the strategy's arguments, apply
     activation checkpointing and keep the batch dtypes when asked; records the root on ``door``."""
-    from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     kwargs = dict(door.kwargs)
@@ -78,10 +78,11 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
             **kwargs,
         )
     except ValueError as err:
-        if "requires_grad=True and False" not in str(err):
+        unit = fsdp1_internals.mixed_requires_grad_unit(err)
+        if unit is None:
             raise
-        raise ValueError(_mixed_requires_grad_message(str(err))) from err
-    _move_torchmetrics_to_device(model, door.root_device)
+        raise ValueError(_mixed_requires_grad_message(unit)) from err
+    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
     load_pretrained(door, model, prepared)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
@@ -90,8 +91,7 @@ def wrap_fsdp1(door: Any, model: Module) -> Module:
     return model
 
 
-def _mixed_requires_grad_message(torch_message: str) -> str:
-    unit = torch_message.split(" has both", 1)[0]
+def _mixed_requires_grad_message(unit: str) -> str:
     return (
         f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
         "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
@@ -162,8 +162,6 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
 
 def shard_fsdp2(door: Any, model: Module) -> Module:
     """Shard ``model`` in place with ``fully_shard`` (FSDP2) with the strategy's arguments; records the root."""
-    from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
-
     from lightning_gaudi_fsdp.engine import fsdp2
 
     prepared = plan_pretrained(door, model)
@@ -192,7 +190,7 @@ def shard_fsdp2(door: Any, model: Module) -> Module:
         fsdp2.set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
         fsdp2.force_sum_reductions(model)
-    _move_torchmetrics_to_device(model, door.root_device)
+    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
     door._fsdp_root = model
     return model
 
@@ -204,7 +202,7 @@ def fsdp2_mesh(door: Any) -> Any:
     if isinstance(mesh, DeviceMesh):
         return mesh
     device_type = door.root_device.type
-    if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+    if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
         # (replicate, shard): default one replica per node, sharded over the node's devices
         shape = (door.num_nodes, door.num_processes)
         door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))

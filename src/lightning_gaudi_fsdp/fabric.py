@@ -22,20 +22,21 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _report, _sharding, precision
+from lightning_gaudi_fsdp.adapters import lightning_internals
+from lightning_gaudi_fsdp.adapters.lightning_internals import BackwardSyncControl, Stateful
 from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
-    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
 
 FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # which entries of Fabric's `state` went where in the checkpoint
 _VERSION_KEY = "pytorch-lightning_version"  # the Trainer refuses a checkpoint without it
@@ -228,7 +229,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # Streamed (each tensor received on rank 0 as it is written) unless a filter reads the state first.
         stream = _checkpoints.full_stream(self) if filter is None else None
         others = {
-            key: keep(key, obj.state_dict() if isinstance(obj, _Stateful) else obj)
+            key: keep(key, obj.state_dict() if isinstance(obj, Stateful) else obj)
             for key, obj in state.items()
             if key != model_key and key not in optimizers
         }
@@ -383,19 +384,19 @@ def _restore_entries(
                 rest[key] = next(saved_schedulers, None)
                 if rest[key] is None:
                     del rest[key]
-    _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+    lightning_internals.validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
     for key in requested:
         if key not in rest:
             continue
         obj = state[key]
-        if isinstance(obj, _Stateful):
+        if isinstance(obj, Stateful):
             obj.load_state_dict(rest.pop(key))
         else:
             state[key] = rest.pop(key)
     return rest
 
 
-class _NoSync(_BackwardSyncControl):
+class _NoSync(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradients stay local to each rank until the next synchronised backward,
     on either engine."""
 

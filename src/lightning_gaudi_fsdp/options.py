@@ -19,6 +19,8 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.nn import Module
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals
+
 StateDictType = Literal["full", "sharded", "local"]
 FSDPVersion = Literal[1, 2]
 FSDP_VERSIONS: tuple[int, ...] = (1, 2)
@@ -327,9 +329,7 @@ def resolve_activation_checkpointing_policy(value: object) -> dict[str, Any]:
     module classes or a ``(module) -> bool`` callable, ``auto_wrap_policy`` for a torch policy object."""
     if value is None:
         return {}
-    from torch.distributed.fsdp.wrap import _Policy
-
-    if isinstance(value, _Policy):
+    if fsdp1_internals.is_policy(value):
         return {"auto_wrap_policy": value}
     if _is_class_spec(value):
         classes = resolve_module_classes(value, "activation_checkpointing_policy")
@@ -389,7 +389,7 @@ def check_hybrid_requirements(
 ) -> None:
     if process_group is not None and device_mesh is not None:
         raise ValueError("process_group and device_mesh are mutually exclusive; pass only one of them")
-    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2())
     if device_mesh is not None and not hybrid:
         raise ValueError(
             f"device_mesh={device_mesh!r} only applies to hybrid sharding; set sharding_strategy to "

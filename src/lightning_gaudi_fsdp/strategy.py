@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,13 +27,15 @@ from typing_extensions import override
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _report, _sharding, precision
+from lightning_gaudi_fsdp.adapters import lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
 
 _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
@@ -319,7 +319,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if module is None:
             raise RuntimeError(f"GaudiFSDPStrategy.{method}: the model is not set up")
         with context():
-            return self._forward_redirection(module, module, method, *args, **kwargs)
+            return lightning_internals.redirect_forward(self, module, method, *args, **kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -375,7 +375,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # The plan waits on the strategy until then; nothing is sent before the save's write step, so a plan that
         # is never written leaves no rank waiting on a send (the next checkpoint replaces it).
         stream = _checkpoints.full_stream(self)
-        if stream is not None and not (_building_checkpoint_to_save() and not _hooks_read_checkpoint(self)):
+        if stream is not None and not (
+            lightning_internals.building_checkpoint_to_save() and not _hooks_read_checkpoint(self)
+        ):
             stream = None
         self._pending_stream = stream
         return formats.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
@@ -385,9 +387,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         model = self._wrapped_model()
-        stream = self._pending_stream if _building_checkpoint_to_save() else None
+        stream = self._pending_stream if lightning_internals.building_checkpoint_to_save() else None
         return formats.optimizer_state_dict(
             model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank, stream
         )
@@ -423,19 +425,20 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if self._background is None:
             return
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = lightning_internals.attached_trainer(module)
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         self._background.finish(rank=self.global_rank, gather=self._gather_objects, interrupted=interrupted)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Check ``checkpoint_path`` on every rank, then load it. ``weights_only`` is the one given to
-        ``Trainer.fit/validate/test/predict(..., weights_only=...)`` (Lightning >= 2.6; see :func:`_fit_weights_only`):
-        ``None`` (torch's default) and ``True`` unpickle every file safely, ``False`` without restriction, for a
-        checkpoint whose source is trusted. Lightning 2.5 has no such argument: loading is always safe there."""
+        ``Trainer.fit/validate/test/predict(..., weights_only=...)`` (Lightning >= 2.6; see
+        :func:`.lightning_internals.fit_weights_only`): ``None`` (torch's default) and ``True`` unpickle every file
+        safely, ``False`` without restriction, for a checkpoint whose source is trusted. Lightning 2.5 has no such
+        argument: loading is always safe there."""
         model = self._wrapped_model()
         if weights_only is None:
-            weights_only = _fit_weights_only(self.lightning_module.trainer)
+            weights_only = lightning_internals.fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
         return _checkpoints.load_agreed(
             self,
@@ -449,19 +452,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         return _platform.gather_objects(obj, self.world_size)
-
-
-def _building_checkpoint_to_save() -> bool:
-    """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
-    hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    dump, save = _CheckpointConnector.dump_checkpoint.__code__, Trainer.save_checkpoint.__code__
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not dump:
-        frame = frame.f_back
-    return frame is not None and frame.f_back is not None and frame.f_back.f_code is save
 
 
 def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
@@ -486,24 +476,6 @@ def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
     )
 
 
-def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
-    """The ``weights_only`` given to the running ``trainer.fit/validate/test/predict``, or None.
-
-    Lightning 2.6 passes it to ``Strategy.load_checkpoint`` only for strategies that restore before setup; for those
-    that restore after it (FSDP among them) ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)``
-    without it, so a user's ``weights_only=False`` would never arrive. It is read from that call's frame instead."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and trainer is not None:
-            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-                value = frame.f_locals.get("weights_only")
-                return value if isinstance(value, bool) else None
-            frame = frame.f_back
-        return None
-    finally:
-        del frame  # no reference cycle through this frame
-
-
 @contextmanager
 def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator[None, None, None]:
     """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
@@ -526,7 +498,7 @@ def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator
             inside = False
 
     def guard(unit: Module, args: Any) -> None:
-        if not inside and torch._C._current_graph_task_id() == -1:
+        if not inside and not torch_internals.in_backward():
             raise RuntimeError(
                 "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's "
                 f"forward) in training_step: the FSDP unit {type(unit.module).__name__} was called directly, "

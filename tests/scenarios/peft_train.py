@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats
-from lightning_gaudi_fsdp.checkpoint.layout import _clean
 
 TINY_LLAMA = {
     "vocab_size": 96,
@@ -91,7 +91,7 @@ class Probe(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         for name, p in trainer.strategy.model.named_parameters():
             if not p.requires_grad and p.grad is not None:
-                self.frozen_with_grad.add(_clean(name))
+                self.frozen_with_grad.add(clean_name(name))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))

@@ -18,6 +18,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
@@ -34,7 +36,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     read_local_metadata,
     save_file,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 
 T = TypeVar("T")
@@ -138,11 +140,9 @@ def load_full_state(
 def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     # DCP's own offline reader (what dcp_to_torch_save uses), loading straight into tensors it allocates from the
     # metadata: one copy of the checkpoint in memory, no temporary file read back.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
     rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
     state: dict[str, Any] = {}
-    read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
+    read_distributed(path, state, torch_internals.empty_load_planner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
     rest["state_dict"] = state.pop("model")
     optimizers = [state[k] for k in sorted(k for k in state if k.startswith("optimizer_"))]
@@ -244,11 +244,13 @@ def _local_optimizer_to_full(
     ``use_orig_params=True``) or of the flat parameter (with ``False``): concatenated in rank order they are the whole,
     unflattened like the weights. Scalars (``step``) are the same on every rank."""
     flat_entries = {entry["key"]: entry for entry in layout}
-    shapes = {_join(e["prefix"], fqn): shape for e in layout for fqn, shape in zip(e["fqns"], e["shapes"], strict=True)}
+    shapes = {
+        join_name(e["prefix"], fqn): shape for e in layout for fqn, shape in zip(e["fqns"], e["shapes"], strict=True)
+    }
 
     def fqns(name: str) -> list[str]:
         entry = flat_entries.get(name)
-        return [_join(entry["prefix"], fqn) for fqn in entry["fqns"]] if entry else [name]
+        return [join_name(entry["prefix"], fqn) for fqn in entry["fqns"]] if entry else [name]
 
     full: dict[str, dict[str, Any]] = {}
     for pid, name in enumerate(names):

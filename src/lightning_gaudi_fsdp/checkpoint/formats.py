@@ -30,6 +30,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -160,12 +162,6 @@ def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, An
     return local
 
 
-_FSDP1_HOOK_MODULES = (
-    "torch.distributed.fsdp._state_dict_utils",  # FSDP's own state-dict hooks
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",  # strips the activation-checkpointing prefix
-)
-
-
 def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
     """``model.state_dict()`` under FSDP's local state-dict type, read from the modules themselves (each module's
     own ``_save_to_state_dict``, so persistent buffers, extra state and overrides are as ``state_dict`` has them), and
@@ -173,27 +169,21 @@ def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
     one ``all_gather_object`` per unit, which a save only unwraps again: on two CPU ranks that was about a third of
     the time an asynchronous local save blocked training. ``None`` when a module carries state-dict hooks other
     than FSDP's and the checkpoint wrapper's (the caller then asks ``state_dict()``)."""
-    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
-
     modules = list(model.named_modules(remove_duplicate=False))
+    own_hooks = (fsdp1_internals.STATE_DICT_HOOK_MODULE, torch_internals.CHECKPOINT_WRAPPER_MODULE)
     for _, module in modules:
-        hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
-        if any(getattr(getattr(h, "func", h), "__module__", None) not in _FSDP1_HOOK_MODULES for h in hooks):
+        if any(owner not in own_hooks for owner in torch_internals.state_dict_hook_modules(module)):
             return None
     state: dict[str, Any] = {}
     for name, module in modules:
-        own: dict[str, Any] = {}
-        module._save_to_state_dict(own, f"{name}." if name else "", False)
-        state.update((_clean(key), value) for key, value in own.items() if not key.endswith(FLAT_PARAM))
-        handle = module._handle if isinstance(module, FullyShardedDataParallel) else None
-        if handle is not None:
-            if not handle.uses_sharded_strategy:
+        own = torch_internals.own_state(module, f"{name}." if name else "")
+        state.update((clean_name(key), value) for key, value in own.items() if not key.endswith(FLAT_PARAM))
+        unit = fsdp1_internals.view(module, name)
+        if unit is not None:
+            if not unit.uses_sharded_strategy:
                 return None  # torch's own path raises its error for a local state dict without sharding
-            flat_param = handle.flat_param
-            valid = flat_param.numel() - flat_param._shard_numel_padded  # the shard without FSDP's padding
-            state[_join(_clean(name), FLAT_PARAM)] = flat_param.detach()[:valid] if valid > 0 else torch.empty(0)
+            valid = unit.flat_param.numel() - unit.shard_padding  # the shard without FSDP's padding
+            state[join_name(unit.name, FLAT_PARAM)] = unit.flat_param.detach()[:valid] if valid > 0 else torch.empty(0)
     return state
 
 
@@ -223,7 +213,7 @@ def optimizer_state_dict(
             return state
     with state_dict_context(model, fmt, device_type):
         state = FSDP.optim_state_dict(model, optimizer)
-        if fmt == "full" and rank == 0 and getattr(model, "_use_orig_params", False):
+        if fmt == "full" and rank == 0 and fsdp1_internals.uses_orig_params(model):
             # torch's standard per-parameter-id form; with use_orig_params=False the parameters a plain optimizer
             # would see do not exist, so the state stays keyed by parameter name (both forms load here).
             state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
@@ -236,9 +226,7 @@ def param_id_names(model: Module, optimizer: Optimizer | None = None) -> list[st
     Without ``optimizer``: ids follow ``model.parameters()``, as in a full checkpoint (``FSDP.rekey_optim_state_dict``).
     With it: ids follow the optimizer's own parameter order, as in ``optimizer.state_dict()`` (a local checkpoint);
     there, with ``use_orig_params=False``, the names are those of flat parameters (``<unit>._flat_param``)."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
-    names = {id(p): _clean(name) for name, p in model.named_parameters()}
+    names = {id(p): clean_name(name) for name, p in model.named_parameters()}
     if optimizer is None:
         return [names[id(p)] for p in model.parameters()]
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]

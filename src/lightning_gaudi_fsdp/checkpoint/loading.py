@@ -16,6 +16,8 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -27,7 +29,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     read_local_metadata,
     state_dict_context,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
+from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
 from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
@@ -42,11 +44,9 @@ def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
         for e in flat_param_layout(model)
         for f, s in zip(e["fqns"], e["shapes"], strict=True)
     }
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
     for name, param in model.named_parameters():
-        clean = _clean(name)
-        if not isinstance(param, FlatParameter) and clean not in shapes:
+        clean = clean_name(name)
+        if not fsdp1_internals.is_flat_parameter(param) and clean not in shapes:
             shapes[clean] = tuple(param.shape)
     return shapes
 

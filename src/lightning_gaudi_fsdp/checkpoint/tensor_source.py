@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     SHARDED_METADATA,
@@ -24,7 +25,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_shard_name,
     read_local_metadata,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 
 
@@ -133,9 +134,9 @@ def _open_local(path: Path, weights_only: bool) -> TensorSource:
         entries = {e["name"]: (torch.Size(e["shape"]), getattr(torch, e["dtype"])) for e in layout}
     else:
         ranks = int(meta["world_size"])
-        managed = {_join(e["prefix"], f): e["key"] for e in meta["flat_params"] for f in e["fqns"]}
+        managed = {join_name(e["prefix"], f): e["key"] for e in meta["flat_params"] for f in e["fqns"]}
         entries = {
-            _join(e["prefix"], f): (torch.Size(s), getattr(torch, e["dtype"]))
+            join_name(e["prefix"], f): (torch.Size(s), getattr(torch, e["dtype"]))
             for e in meta["flat_params"]
             for f, s in zip(e["fqns"], e["shapes"], strict=True)
         }

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals
+
 log = logging.getLogger("lightning_gaudi_fsdp")
 
 
@@ -30,11 +32,9 @@ def select_units(root: Module, policy: Any, ignored: Iterable[Module] = ()) -> l
     below it, which is what a size-based policy counts."""
     if policy is None:
         return []
-    from torch.distributed.fsdp.wrap import _Policy
-
     skip = set(ignored)
-    if isinstance(policy, _Policy) and not callable(policy):
-        targets = policy._run_policy(root, skip, {})
+    if fsdp1_internals.is_policy(policy) and not callable(policy):
+        targets = fsdp1_internals.policy_targets(policy, root, skip)
         return [m for m in _post_order(root) if m in targets and m is not root]
     chosen: list[Module] = []
     owned: set[int] = set()
