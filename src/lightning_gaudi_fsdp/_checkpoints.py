@@ -34,7 +34,7 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     checkpoint[formats.ENGINE_KEY] = door._fsdp_version
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
-        checkpoint[hf_export.HF_KEY] = record
+        checkpoint[formats.HF_KEY] = record
     if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
         checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
     if door._state_dict_type != "local":

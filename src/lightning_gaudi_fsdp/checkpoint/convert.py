@@ -23,20 +23,21 @@ from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
+    HF_KEY,
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
     SHARDED_METADATA,
     CheckpointError,
-    _save_sharded,
     bytes_to_write,
     detect_format,
     local_shard_name,
     optimizer_state_by_name,
     read_local_metadata,
     save_file,
+    save_sharded,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 
 T = TypeVar("T")
@@ -59,8 +60,6 @@ def _tensor_summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
 
 
 def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
-    from lightning_gaudi_fsdp.checkpoint.hf_export import HF_KEY
-
     engine = rest.get(ENGINE_KEY)
     return {
         "engine": f"FSDP{engine}" if engine in (1, 2) else "unknown (not written by lightning-gaudi-fsdp)",
@@ -168,7 +167,7 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     flat_keys = {entry["key"] for entry in layout}
     state: dict[str, torch.Tensor] = {k: v for k, v in shards[0]["model"].items() if k not in flat_keys}
     for entry in progress(layout, "unflattening parameters", len(layout)):
-        state.update(unflatten(_join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
+        state.update(unflatten(join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
     rest["state_dict"] = state
     rest.pop("optimizer_states", None)
     notes: list[str] = []
@@ -230,11 +229,6 @@ def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> 
     return {"state": full, "param_groups": groups}
 
 
-def _join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Every rank's contiguous slice of one (flat) tensor, in rank order, as the whole flat tensor."""
-    return torch.cat([piece.reshape(-1) for piece in slices])
-
-
 def _local_optimizer_to_full(
     states: list[dict[str, Any]], names: list[str], layout: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -257,7 +251,7 @@ def _local_optimizer_to_full(
         present = [s["state"][pid] for s in states if s["state"].get(pid)]  # ranks whose slice is empty hold none
         for key, first in present[0].items() if present else ():
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                whole = _join_rank_slices(p[key] for p in present)
+                whole = join_rank_slices(p[key] for p in present)
                 if name in flat_entries:
                     pieces = unflatten(whole, flat_entries[name])
                 else:
@@ -297,7 +291,7 @@ def convert(
         write = lambda: save_file(checkpoint, staging)  # noqa: E731
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
-        write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
+        write = lambda: save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
     storage.write_atomically(
         dst,
         [write],

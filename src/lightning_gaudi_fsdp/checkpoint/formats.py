@@ -45,6 +45,7 @@ LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
 PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 ENGINE_KEY = "gaudi_fsdp_engine"  # the FSDP engine (1 or 2) that wrote the checkpoint, in its trainer state
+HF_KEY = "gaudi_fsdp_hf_model"  # JSON: {"prefix": "model.", "peft": {adapter name: LoraConfig dict} | null}
 
 
 def local_shard_name(rank: int) -> str:
@@ -279,7 +280,7 @@ def save(
     elif fmt == "full":
         writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
     elif fmt == "sharded":
-        writes = [lambda: _save_sharded(checkpoint, staging, rank, process_group=process_group)]
+        writes = [lambda: save_sharded(checkpoint, staging, rank, process_group=process_group)]
     else:
         shard = {"model": model_state, "optimizer_states": optimizer_states}
         meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size}
@@ -344,7 +345,7 @@ def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict
     return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
 
 
-def _save_sharded(
+def save_sharded(
     checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False, process_group: Any = None
 ) -> None:
     """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards

@@ -34,10 +34,10 @@ from torch.nn import Module
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
+from lightning_gaudi_fsdp.checkpoint.formats import HF_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
-HF_KEY = "gaudi_fsdp_hf_model"  # JSON: {"prefix": "model.", "peft": {adapter name: LoraConfig dict} | null}
 PEFT_WRAPPER = "base_model.model."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")

@@ -7,7 +7,7 @@ checkpoint stores in its metadata so that it can be turned into full tensors off
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +39,11 @@ def flat_param_layout(model: Module) -> list[dict[str, Any]]:
 def fsdp_units(model: Module) -> list[str]:
     """Clean names of every FSDP unit (the wrap layout); ``""`` is the root."""
     return list(fsdp1_internals.unit_sizes(model))
+
+
+def join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Every rank's contiguous slice of one (flat) tensor, in rank order, as the whole flat tensor."""
+    return torch.cat([piece.reshape(-1) for piece in slices])
 
 
 def unflatten(flat: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_shard_name,
     read_local_metadata,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 
 
@@ -83,13 +83,11 @@ class TensorSource:
         return self._shards[0]["model"][name]  # buffers: whole on every rank
 
     def _read_fsdp1_local(self, names: list[str]) -> dict[str, torch.Tensor]:
-        from lightning_gaudi_fsdp.checkpoint.convert import _join_rank_slices
-
         out: dict[str, torch.Tensor] = {}
         for entry in self._layout:
             wanted = [n for n in names if self._owner.get(n) == entry["key"]]
             if wanted:
-                whole = unflatten(_join_rank_slices(s["model"][entry["key"]] for s in self._shards), entry)
+                whole = unflatten(join_rank_slices(s["model"][entry["key"]] for s in self._shards), entry)
                 out.update((n, whole[n]) for n in wanted)
         out.update((n, self._shards[0]["model"][n]) for n in names if n not in self._owner)
         return {n: out[n] for n in names}
