@@ -14,6 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_gaudi_fsdp import _liveness, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine import base as engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._device_mesh = resolved.device_mesh
     door._state_dict_type = resolved.state_dict_type
     door._fsdp_version = resolved.fsdp_version
+    door._engine = engine.select(resolved.fsdp_version)  # chosen once; the door asks it for what differs
     door._mp_policy = resolved.mp_policy
     door._ignored_modules = resolved.ignored_modules
     door._ignored_states = resolved.ignored_states

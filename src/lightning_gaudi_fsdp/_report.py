@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from torch.nn import Module
 
 from lightning_gaudi_fsdp._platform import gather_objects
-from lightning_gaudi_fsdp.adapters import fsdp1_internals
 
 if TYPE_CHECKING:
     from typing import Any
@@ -43,26 +42,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def fsdp_unit_count(model: Module) -> int:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return len(fsdp2.unit_names(model))
-    return sum(isinstance(m, FSDP) for m in model.modules())
-
-
-def held_elements(model: Module) -> int:
-    """Elements of the flat parameters (FSDP1) or parameter shards (FSDP2) this rank holds (its shards, or whole
-    parameters where unsharded)."""
-    from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return fsdp2.held_elements(model)
-    return sum(p.numel() for p in fsdp1_state.flat_params(model))
-
-
 def _held_row(held_per_rank: list[int]) -> str:
     low, high = min(held_per_rank), max(held_per_rank)
     if low == high:
@@ -73,20 +52,13 @@ def _held_row(held_per_rank: list[int]) -> str:
 def configuration_table(strategy: Any, model: Module, held_per_rank: list[int], precision: tuple[str, str]) -> str:
     """The table rank 0 prints when a door sets the model up (the Trainer at fit start, Fabric in ``setup_module``).
     ``strategy``: either door; ``precision``: the row naming the door's precision setting."""
-    fsdp2 = strategy._fsdp_version == 2
-    mp = strategy._mp_policy if fsdp2 else strategy.mixed_precision_config
-    if mp is None:
-        dtypes = "fp32 (no FSDP mixed precision)"
-    elif fsdp2:
-        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, output={mp.output_dtype}"
-    else:
-        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
+    engine = strategy._engine
     rows = [
-        ("engine", "FSDP2 (fully_shard)" if fsdp2 else "FSDP1 (FullyShardedDataParallel)"),
+        ("engine", engine.label),
         ("sharding", strategy.sharding_strategy.name),
-        ("FSDP units", str(fsdp_unit_count(model))),
-        ("parameter shards per rank" if fsdp2 else "flat parameters per rank", _held_row(held_per_rank)),
-        ("mixed precision", dtypes),
+        ("FSDP units", str(engine.unit_count(model))),
+        (engine.held_label, _held_row(held_per_rank)),
+        ("mixed precision", engine.mixed_precision_row(strategy)),
         precision,
         ("state_dict_type", strategy._state_dict_type + (", saved in the background" if strategy._background else "")),
         ("backend", str(strategy.process_group_backend)),
@@ -105,14 +77,9 @@ def compiled_units(names: list[str]) -> None:
     log.info("torch.compile applied to %d module(s): %s", len(names), ", ".join(n or "<root>" for n in names))
 
 
-def fingerprint(model: Module, sharding: str) -> dict[str, object]:
+def fingerprint(engine: Any, model: Module, sharding: str) -> dict[str, object]:
     """What every rank must agree on: sharding, the FSDP units and the unsharded size of each unit."""
-
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return {"sharding_strategy": sharding, "units": fsdp2.unit_names(model)}
-    return {"sharding_strategy": sharding, "units": fsdp1_internals.unit_sizes(model)}
+    return {"sharding_strategy": sharding, "units": engine.fingerprint(model)}
 
 
 def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
@@ -129,8 +96,8 @@ def check_ranks_agree(door: Any, model: Module) -> list[int]:
     """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
     fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
     flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
-    own = fingerprint(model, door.sharding_strategy.name)
-    gathered_pairs = gather_objects((own, held_elements(model)), door.world_size)
+    own = fingerprint(door._engine, model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((own, door._engine.held_elements(model)), door.world_size)
     gathered = [pair[0] for pair in gathered_pairs]
     for rank, other in enumerate(gathered):
         if other != own:

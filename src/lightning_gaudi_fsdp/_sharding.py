@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed
-from torch.distributed.fsdp import CPUOffload, ShardingStrategy
-from torch.nn import Module, Parameter
+from torch.distributed.fsdp import CPUOffload
+from torch.nn import Module
 
-from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp._platform import gather_objects
-from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 
 log = logging.getLogger("lightning_gaudi_fsdp")
@@ -54,51 +51,6 @@ def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
     return kwargs
 
 
-def wrap_fsdp1(door: Any, model: Module) -> Module:
-    """Wrap ``model`` (no FSDP unit inside yet) in ``FullyShardedDataParallel`` with the strategy's arguments, apply
-    activation checkpointing and keep the batch dtypes when asked; records the root on ``door``."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    kwargs = dict(door.kwargs)
-    prepared = plan_pretrained(door, model)
-    if prepared is not None:
-        kwargs["param_init_fn"] = pretrained.empty_init(fsdp_device(door))
-    if kwargs.get("sync_module_states") and fsdp_device(door).type == "cpu":
-        # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
-        broadcast_module_states(model)
-        kwargs["sync_module_states"] = False
-    try:
-        model = FSDP(
-            module=model,
-            cpu_offload=effective_cpu_offload(door),
-            mixed_precision=door.mixed_precision_config,
-            sharding_strategy=door.sharding_strategy,
-            device_id=fsdp_device(door),
-            **resolve_ignored(door, model),
-            **kwargs,
-        )
-    except ValueError as err:
-        unit = fsdp1_internals.mixed_requires_grad_unit(err)
-        if unit is None:
-            raise
-        raise ValueError(_mixed_requires_grad_message(unit)) from err
-    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
-    load_pretrained(door, model, prepared)
-    door._cache_off_in_training = activation.apply_activation_checkpointing(
-        model, door._activation_checkpointing_kwargs
-    )
-    keep_batch_dtypes(door, model)
-    return model
-
-
-def _mixed_requires_grad_message(unit: str) -> str:
-    return (
-        f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
-        "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
-        "pass use_orig_params=True (the default)"
-    )
-
-
 def init_context(door: Any) -> AbstractContextManager:
     """Around the model's construction (``configure_model``, ``fabric.init_module()``): with ``pretrained_weights``,
     parameters are created on the meta device (the shards get the file's values after wrapping)."""
@@ -126,7 +78,7 @@ def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) 
     """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
     if prepared is None:
         return
-    written = pretrained.load(model, prepared)
+    written = door._engine.load_pretrained(model, prepared)
     log.info(
         "rank %d: %d pretrained elements read from %s into its shards",
         door.global_rank,
@@ -142,91 +94,6 @@ def keep_batch_dtypes(door: Any, model: Module) -> None:
         model.mixed_precision = dataclasses.replace(
             model.mixed_precision, cast_forward_inputs=False, cast_root_forward_inputs=False
         )
-
-
-def wrap_context_kwargs(door: Any) -> dict[str, Any]:
-    """The arguments of ``enable_wrap`` for ``wrap()`` calls while the model is built: those of automatic wrapping,
-    with a device."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    kwargs = {k: v for k, v in door.kwargs.items() if k != "auto_wrap_policy"}
-    return {
-        "wrapper_cls": FSDP,
-        "cpu_offload": effective_cpu_offload(door, warn=False),
-        "mixed_precision": door.mixed_precision_config,
-        "sharding_strategy": door.sharding_strategy,
-        "device_id": fsdp_device(door),
-        **kwargs,
-    }
-
-
-def shard_fsdp2(door: Any, model: Module) -> Module:
-    """Shard ``model`` in place with ``fully_shard`` (FSDP2) with the strategy's arguments; records the root."""
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    prepared = plan_pretrained(door, model)
-    ignored = resolve_ignored(door, model)
-    if door.kwargs.get("sync_module_states"):
-        broadcast_module_states(model)
-    door._cache_off_in_training = activation.apply_activation_checkpointing(
-        model, door._activation_checkpointing_kwargs
-    )
-    units = fsdp2.select_units(model, door.kwargs.get("auto_wrap_policy"), ignored.get("ignored_modules", ()))
-    offload = effective_cpu_offload(door)
-    fsdp2.apply_fsdp2(
-        model,
-        units,
-        mesh=fsdp2_mesh(door),
-        reshard_after_forward=door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-        mp_policy=door._mp_policy,
-        offload_policy=_offload_policy(offload),
-        ignored_params=_ignored_parameters(ignored),
-        root_casts_inputs=not door._keep_batch_dtypes,
-    )
-    init_fn = pretrained.empty_init(fsdp_device(door)) if prepared is not None else door.kwargs.get("param_init_fn")
-    fsdp2.materialize_meta(model, fsdp_device(door), init_fn)
-    load_pretrained(door, model, prepared)
-    if door.kwargs.get("forward_prefetch"):
-        fsdp2.set_forward_prefetch(units)
-    if door.process_group_backend == "hccl":
-        fsdp2.force_sum_reductions(model)
-    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
-    door._fsdp_root = model
-    return model
-
-
-def fsdp2_mesh(door: Any) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    mesh = door._device_mesh
-    if isinstance(mesh, DeviceMesh):
-        return mesh
-    device_type = door.root_device.type
-    if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
-        # (replicate, shard): default one replica per node, sharded over the node's devices
-        shape = (door.num_nodes, door.num_processes)
-        door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-    else:
-        door._device_mesh = init_device_mesh(device_type, (door.world_size,))
-    return door._device_mesh
-
-
-def _offload_policy(offload: CPUOffload) -> Any:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return CPUOffloadPolicy() if offload.offload_params else None
-
-
-def _ignored_parameters(ignored: Mapping[str, Any]) -> set[Parameter] | None:
-    """FSDP2's ``ignored_params`` from FSDP1's ``ignored_modules``/``ignored_states`` (modules count with every
-    parameter they hold)."""
-    items = [*ignored.get("ignored_modules", ()), *ignored.get("ignored_states", ())]
-    if not items:
-        return None
-    params: set[Parameter] = set()
-    for item in items:
-        params.update(item.parameters() if isinstance(item, Module) else [item])
-    return params
 
 
 def compile_root(door: Any, model: Module) -> None:
@@ -254,12 +121,14 @@ def broadcast_module_states(module: Module) -> None:
             torch.distributed.broadcast(tensor.data, src=0)
 
 
-def clip_grad_norm(root: Module | None, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(engine: Any, root: Module | None, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip by the norm over every shard on every rank (``clip_grad_norm_`` on one shard sees only its share)."""
     if root is None:
         raise RuntimeError("gradient clipping by norm needs the FSDP-wrapped model; the strategy is not set up")
-    from lightning_gaudi_fsdp.engine import fsdp2
+    return engine.clip_grad_norm(root, max_norm, norm_type)
 
-    if fsdp2.is_fsdp2(root):
-        return fsdp2.clip_grad_norm_(root, max_norm, norm_type)  # DTensor gradients: the norm spans every rank
-    return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
+
+def not_set_up_for_no_sync(module: Module) -> TypeError:
+    return TypeError(
+        f"no_backward_sync needs the model set up by Fabric with GaudiFSDPStrategy, got {type(module).__name__}"
+    )

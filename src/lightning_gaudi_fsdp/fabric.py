@@ -11,8 +11,8 @@ from __future__ import annotations
 import atexit
 import functools
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,6 @@ from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _report, _sha
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.lightning_internals import BackwardSyncControl, Stateful
 from lightning_gaudi_fsdp.checkpoint import formats, loading
-from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
 if TYPE_CHECKING:
@@ -92,7 +91,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             **resolved.parent,
         )
         _config.adopt(self, resolved, self._fsdp_kwargs)
-        self._backward_sync_control = _NoSync()
+        self._backward_sync_control = _NoSync(self._engine)
         self._background = _checkpoints.background_saver(async_save, self._timeout)
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
@@ -144,26 +143,27 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     def setup_module(self, module: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if self._fsdp_version == 2:
-            if not fsdp2.is_fsdp2(module):
-                _sharding.shard_fsdp2(self, module)
-        elif any(isinstance(m, FSDP) for m in module.modules()):
+        engine = self._engine
+        if engine.shards_in_place:
+            if not engine.owns(module):
+                engine.shard(self, module)
+        elif engine.owns(module):
             _sharding.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
             module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
             if isinstance(module, FSDP):
                 _sharding.keep_batch_dtypes(self, module)
         else:
-            module = _sharding.wrap_fsdp1(self, module)
+            module = engine.shard(self, module)
         if self._compile_kwargs is not None:
             _sharding.compile_root(self, module)
-        self.precision.attach(module)
+        self.precision.attach(module, engine)
         _report.announce(self, module, ("Fabric precision", str(self.precision.precision)))
         self._models.add(module)
         return module
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
-        if self._fsdp_version == 2 and optimizers:
+        if self._engine.shards_in_place and optimizers:
             # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
             # old ones and would step nothing.
             raise NotImplementedError(
@@ -174,11 +174,8 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        from torch.distributed.fsdp.wrap import enable_wrap
-
         stack = ExitStack()
-        if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
-            stack.enter_context(enable_wrap(**_sharding.wrap_context_kwargs(self)))
+        stack.enter_context(self._engine.wrap_context(self))
         stack.enter_context(_sharding.init_context(self))
         return stack
 
@@ -193,7 +190,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     ) -> torch.Tensor:
         """Clip by the norm over every shard on every rank, on either engine."""
         self.precision.unscale_gradients(optimizer)
-        return _sharding.clip_grad_norm(module, max_norm, norm_type)
+        return _sharding.clip_grad_norm(self._engine, module, max_norm, norm_type)
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -220,7 +217,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         _check_filter(filter, state, fmt)
         device_type = self.root_device.type
         path = Path(self.broadcast(str(path)))
-        model_key, model = _find_model(state)
+        model_key, model = _find_model(state, self._engine)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         clash = [key for key in state if key in _TRAINER_KEYS or key == FABRIC_KEYS]
         if clash:
@@ -281,7 +278,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if isinstance(state, Module | Optimizer):
             self._load_raw(path, state, strict, safe)
             return {}
-        model_key, model = _find_model(state)
+        model_key, model = _find_model(state, self._engine)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         rest = _checkpoints.load_agreed(
             self,
@@ -299,7 +296,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         plain state-dict file, checked on every rank first; a model not set up loads the full state of any of them;
         an optimizer loads from a single file (see :func:`.loading.read_full_optimizer_state`)."""
         if isinstance(obj, Module):
-            if _is_sharded(obj):
+            if self._engine.owns(obj):
                 _checkpoints.load_agreed(
                     self, path, obj, [], strict=strict, weights_only=weights_only, load_optimizers=False, raw=True
                 )
@@ -315,12 +312,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             loading.load_full_optimizer(owner, obj, state, self.root_device.type)
         else:
             obj.load_state_dict(state)
-
-
-def _is_sharded(module: Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return fsdp2.is_fsdp2(module) or any(isinstance(m, FSDP) for m in module.modules())
 
 
 def _check_filter(filter: Any, state: dict[str, Any], fmt: str) -> None:
@@ -355,8 +346,8 @@ def _filtered(filter: dict[str, Callable[[str, Any], bool]]) -> Callable[[str, A
     return keep
 
 
-def _find_model(state: dict[str, Any]) -> tuple[str, Module]:
-    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and _is_sharded(obj)]
+def _find_model(state: dict[str, Any], engine: Any) -> tuple[str, Module]:
+    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and engine.owns(obj)]
     if len(found) != 1:
         raise ValueError(
             f"the state must hold exactly one model set up by Fabric (found {len(found)}); save and load each model "
@@ -400,25 +391,9 @@ class _NoSync(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradients stay local to each rank until the next synchronised backward,
     on either engine."""
 
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        if not enabled:
-            return nullcontext()
-        if fsdp2.is_fsdp2(module):
-            return _fsdp2_no_sync(module)
-        if not isinstance(module, FSDP):
-            raise TypeError(
-                f"no_backward_sync needs the model set up by Fabric with GaudiFSDPStrategy, got {type(module).__name__}"
-            )
-        return module.no_sync()
-
-
-@contextmanager
-def _fsdp2_no_sync(module: Module) -> Generator[None, None, None]:
-    module.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return self._engine.no_sync(module) if enabled else nullcontext()

@@ -30,6 +30,7 @@ from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _r
 from lightning_gaudi_fsdp.adapters import lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+from lightning_gaudi_fsdp.engine import fsdp1
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -225,14 +226,14 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if self._fsdp_version == 2:
-            return self._setup_fsdp2(model)
+        if self._engine.shards_in_place:
+            return self._setup_in_place(model)
         previous = self._fsdp_root
         if previous is not None and previous.module is model:
             # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
-        elif any(isinstance(m, FSDP) for m in model.modules()):
+        elif self._engine.owns(model):
             _sharding.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
             model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
             if self._activation_checkpointing_kwargs:
@@ -241,22 +242,20 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
                 _sharding.keep_batch_dtypes(self, model)
         else:
             self._warn_if_precision_overlaps()
-            model = _sharding.wrap_fsdp1(self, model)
+            model = self._engine.shard(self, model)
         self._fsdp_root = model if isinstance(model, FSDP) else None
         if self._compile_kwargs is not None and previous is not model:
             _sharding.compile_root(self, model)
-        self.precision_plugin.attach(model)
+        self.precision_plugin.attach(model, self._engine)
         return model
 
-    def _setup_fsdp2(self, model: Module) -> Module:
-        from lightning_gaudi_fsdp.engine import fsdp2
-
-        if fsdp2.is_fsdp2(model):  # validate/test/predict after fit: already sharded in place
+    def _setup_in_place(self, model: Module) -> Module:
+        if self._engine.owns(model):  # validate/test/predict after fit: already sharded in place
             return model
-        _sharding.shard_fsdp2(self, model)
+        self._engine.shard(self, model)
         if self._compile_kwargs is not None:
             _sharding.compile_root(self, model)
-        self.precision_plugin.attach(model)
+        self.precision_plugin.attach(model, self._engine)
         return model
 
     @contextmanager
@@ -265,7 +264,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(**_sharding.wrap_context_kwargs(self)), _sharding.init_context(self):
+        with enable_wrap(**fsdp1.wrap_context_kwargs(self)), _sharding.init_context(self):
             yield
 
     @override
@@ -282,8 +281,8 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module, root = self.lightning_module, self._fsdp_root
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
         if module is None or module.automatic_optimization or root is None:
             return super().training_step(*args, **kwargs)
         # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
@@ -294,23 +293,23 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return super().predict_step(*args, **kwargs)
 
-    def _through_fsdp2_root(
+    def _through_root(
         self, method: str, context: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         # FSDP2 shards the LightningModule in place (self.model is the module): run the step inside its forward,

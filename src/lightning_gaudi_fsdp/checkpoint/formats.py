@@ -35,7 +35,7 @@ from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
-from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
+from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2_state
 
 CheckpointFormat = Literal["full", "sharded", "local"]
 SHARDED_METADATA = "meta.pt"  # Lightning's name: a folder with it is a sharded checkpoint to Lightning too
@@ -127,7 +127,7 @@ def model_state_dict(
     """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``). ``stream``: where the package gathers
     a full state itself, plan the gather on it instead (placeholders on rank 0, see :mod:`.streaming`); the
     checkpoint must then be saved with it (:func:`save`) and nothing else may read it."""
-    if fsdp2.is_fsdp2(model):
+    if fsdp2_state.is_fsdp2(model):
         return fsdp2_state.model_state_dict(model, fmt, stream)
     if fmt == "sharded" and fsdp1_state.supported(model):
         # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
@@ -200,7 +200,7 @@ def optimizer_state_dict(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
 
-    if fsdp2.is_fsdp2(model):
+    if fsdp2_state.is_fsdp2(model):
         return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank, stream)
     if fmt == "local":
         return optimizer.state_dict()
@@ -372,7 +372,7 @@ def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Ma
 def local_metadata(
     model: Module, sharding_strategy: str, versions: Mapping[str, str], optimizers: Sequence[Optimizer] = ()
 ) -> dict[str, Any]:
-    if fsdp2.is_fsdp2(model):
+    if fsdp2_state.is_fsdp2(model):
         return {
             "engine": 2,
             "sharding_strategy": sharding_strategy,

@@ -31,13 +31,13 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
 )
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
-from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
+from lightning_gaudi_fsdp.engine import fsdp2_state
 
 
 # ------------------------------------------------------------------------------------------------------ checking
 def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the parameters a full state dict of ``model`` must hold."""
-    if fsdp2.is_fsdp2(model):
+    if fsdp2_state.is_fsdp2(model):
         return fsdp2_state.expected_full_shapes(model)
     shapes = {
         (f"{e['prefix']}.{f}" if e["prefix"] else f): tuple(s)
@@ -107,7 +107,7 @@ def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[s
             f"{world_size}; a local checkpoint only loads at the world size that wrote it. Convert it with "
             f"`lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it at another size",
         )
-    engine = 2 if fsdp2.is_fsdp2(model) else 1
+    engine = 2 if fsdp2_state.is_fsdp2(model) else 1
     if meta.get("engine", 1) != engine:
         raise CheckpointError(
             path,
@@ -166,7 +166,7 @@ def check_load(
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
     path = Path(path)
     fmt = detect_format(path)
-    engine2 = fsdp2.is_fsdp2(model)
+    engine2 = fsdp2_state.is_fsdp2(model)
     if fmt in ("sharded", "local") and engine2:
         current = fsdp2_state.sharded_template(model) if fmt == "sharded" else model.state_dict()
     elif fmt in ("sharded", "local"):
@@ -248,7 +248,7 @@ def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: boo
 
 def load_full_optimizer(model: Module, optimizer: Optimizer, state: dict[str, Any], device_type: str) -> None:
     """Load one full optimizer state (as in a full checkpoint) into ``optimizer`` of the sharded ``model``."""
-    if not fsdp2.is_fsdp2(model):
+    if not fsdp2_state.is_fsdp2(model):
         _load_full_optimizers(model, [optimizer], [state], device_type)
     elif not state.get("state"):
         optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
@@ -268,7 +268,7 @@ def apply_load(
     """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
     path, rest = pending.path, pending.rest
     pending.optimizer_groups = rest.pop(OPTIMIZER_GROUPS_KEY, [])  # ours, not Lightning's: never handed back
-    if fsdp2.is_fsdp2(model):
+    if fsdp2_state.is_fsdp2(model):
         _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers, device_type)
     elif pending.fmt == "full":
         with state_dict_context(model, "full", device_type, rank0_only=False):

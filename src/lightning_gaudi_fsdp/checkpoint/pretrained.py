@@ -39,6 +39,7 @@ __all__ = [
     "Weights",
     "empty_init",
     "load",
+    "load_dtensors",
     "parameters_on_meta",
     "plan",
     "resolve",
@@ -246,17 +247,6 @@ def empty_init(device: torch.device) -> Callable[[Module], None]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-@torch.no_grad()
-def load(model: Module, prepared: Plan) -> int:
-    """Copy the rank's part of every planned parameter into the sharded ``model`` (FSDP1 or FSDP2). Returns the
-    number of elements written."""
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return _load_fsdp2(model, prepared)
-    return _load_fsdp1(model, prepared)
-
-
 def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Callable[[int, int], torch.Tensor]:
     if entry.key is not None:
         key = entry.key
@@ -265,7 +255,10 @@ def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Call
     return lambda start, stop: full if full.dim() == 0 else full[start:stop]
 
 
-def _load_fsdp1(model: Module, prepared: Plan) -> int:
+@torch.no_grad()
+def load(model: Module, prepared: Plan) -> int:
+    """Copy the rank's part of every planned parameter into ``model``, unsharded or sharded by FSDP1 (its flat
+    parameters' slices). Returns the number of elements written."""
     written = 0
     seen: set[str] = set()
     for unit in fsdp1_internals.units(model):
@@ -283,7 +276,9 @@ def _load_fsdp1(model: Module, prepared: Plan) -> int:
     return written
 
 
-def _load_fsdp2(model: Module, prepared: Plan) -> int:
+@torch.no_grad()
+def load_dtensors(model: Module, prepared: Plan) -> int:
+    """:func:`load` for a model sharded by FSDP2 (each parameter's dim-0 chunk of this rank)."""
     from torch.distributed.tensor import DTensor
 
     written = 0

@@ -30,6 +30,13 @@ if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 
+def is_fsdp2(model: Module) -> bool:
+    """Whether ``model`` holds modules sharded by ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _options(**kwargs: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

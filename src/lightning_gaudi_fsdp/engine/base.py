@@ -1,0 +1,56 @@
+"""The engine object: FSDP1 (``FullyShardedDataParallel``) or FSDP2 (``fully_shard``) behind one small protocol,
+chosen once from the resolved ``fsdp_version`` (:func:`select`) and held by the door (``door._engine``). The doors,
+the report and the checkpoint code ask it; nothing else decides which engine a model uses."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch.nn import Module
+
+from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
+from lightning_gaudi_fsdp.engine.fsdp2 import FSDP2
+
+
+class Engine(Protocol):
+    version: int  # the fsdp_version, as checkpoints record it
+    label: str  # the start table's "engine" row
+    held_label: str  # what a rank holds: flat parameters (FSDP1) or parameter shards (FSDP2)
+    shards_in_place: bool  # FSDP2 shards the LightningModule itself; FSDP1 wraps it in a new root module
+
+    def owns(self, model: Module) -> bool:
+        """Whether ``model`` already holds units of this engine (set up before, or wrapped by hand)."""
+
+    def shard(self, door: Any, model: Module) -> Module:
+        """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
+
+    def wrap_context(self, door: Any) -> AbstractContextManager:
+        """Around the model's construction: what ``wrap()`` calls inside it build (FSDP1 only)."""
+
+    def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip by the norm over every shard on every rank."""
+
+    def no_sync(self, module: Module) -> AbstractContextManager:
+        """Gradients stay local to each rank until the next synchronised backward."""
+
+    def mixed_precision_row(self, door: Any) -> str:
+        """The start table's "mixed precision" row."""
+
+    def fingerprint(self, model: Module) -> dict[str, int]:
+        """What every rank must agree on: each unit's name and size."""
+
+    def held_elements(self, model: Module) -> int:
+        """Elements of the parameters (FSDP1: flat parameters) this rank holds."""
+
+    def unit_count(self, model: Module) -> int: ...
+
+    def load_pretrained(self, model: Module, prepared: Any) -> int:
+        """Copy this rank's part of each planned pretrained parameter into its shards; returns the elements
+        written."""
+
+
+def select(fsdp_version: int) -> Engine:
+    """The engine for a resolved ``fsdp_version`` (1 or 2)."""
+    return FSDP2() if fsdp_version == 2 else FSDP1()
