@@ -27,7 +27,6 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -233,12 +232,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
-            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
-            model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
-            if self._activation_checkpointing_kwargs:
-                self._cache_off_in_training = activation.apply_cache_off_in_training(model)
-            if isinstance(model, FSDP):
-                _shared.keep_batch_dtypes(self, model)
+            model = _shared.setup_hand_wrapped(self, model, super()._setup_model)
         else:
             self._warn_if_precision_overlaps()
             model = _shared.wrap_fsdp1(self, model)
