@@ -9,6 +9,7 @@ checkpoint keyed by id without recorded names, or a local one written by an olde
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -170,22 +171,30 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     for entry in progress(layout, "unflattening parameters", len(layout)):
         state.update(unflatten(_join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
     rest["state_dict"] = state
+    join = functools.partial(_local_optimizer_to_full, layout=layout)
+    return rest, _join_local_optimizers(rest, meta, [shard.get("optimizer_states") or [] for shard in shards], join)
+
+
+def _join_local_optimizers(
+    rest: dict[str, Any],
+    meta: dict[str, Any],
+    per_rank: list[list[dict[str, Any]]],
+    join: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
+) -> list[str]:
+    """Into ``rest``: each optimizer's state joined from the ranks' ``per_rank`` states by ``join(states, names)``
+    (either engine's), keyed by the parameter names the local checkpoint records. Without those names the weights
+    still convert: the optimizer state is left out, and the note returned (also kept in ``conversion_notes``) says
+    so."""
     rest.pop("optimizer_states", None)
-    notes: list[str] = []
-    per_rank = [shard.get("optimizer_states") or [] for shard in shards]
+    if not per_rank[0]:
+        return []
     names = meta.get("optimizer_param_names")
-    if per_rank[0] and (names is None or len(names) != len(per_rank[0])):
-        notes.append(
-            "this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"
-        )
-    elif per_rank[0]:
-        rest["optimizer_states"] = [
-            _local_optimizer_to_full([states[i] for states in per_rank], names[i], layout)
-            for i in range(len(per_rank[0]))
-        ]
-    if notes:
+    if not isinstance(names, list) or len(names) != len(per_rank[0]):
+        notes = ["this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"]
         rest["conversion_notes"] = notes
-    return rest, notes
+        return notes
+    rest["optimizer_states"] = [join([states[i] for states in per_rank], names[i]) for i in range(len(names))]
+    return []
 
 
 def _fsdp2_local_to_full(
@@ -210,13 +219,7 @@ def _fsdp2_local_to_full(
         state[name] = torch.cat([shard["model"][name] for shard in shards], dim=0)
     rest["state_dict"] = state
     per_rank = [shard.get("optimizer_states") or [] for shard in shards]
-    optimizer_names = meta.get("optimizer_param_names") or []
-    if per_rank[0]:
-        rest["optimizer_states"] = [
-            _fsdp2_optimizer_to_full([states[i] for states in per_rank], optimizer_names[i])
-            for i in range(len(per_rank[0]))
-        ]
-    return rest, []
+    return rest, _join_local_optimizers(rest, meta, per_rank, _fsdp2_optimizer_to_full)
 
 
 def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
