@@ -102,7 +102,8 @@ def test_any_exception_on_one_rank_while_checking_a_load_fails_on_every_rank(che
     assert time.monotonic() - started < 60  # the strategy's timeout is 30 s: nobody waited it out
     for rank in (0, 1):  # each rank's own traceback ends with the same error
         stderr = (run.out / f"rank{rank}.stderr").read_text()
-        line = rf"^\[rank{rank}\]: \S*CheckpointError: Cannot load checkpoint '{re.escape(str(ckpt))}': {re.escape(problem)}$"
+        error = re.escape(f"CheckpointError: Cannot load checkpoint '{ckpt}': {problem}")
+        line = rf"^\[rank{rank}\]: \S*{error}$"
         assert re.search(line, stderr, re.MULTILINE), f"rank {rank}: {stderr[-3000:]}"
 
 
