@@ -646,14 +646,9 @@ def check_ranks_agree(door: Any, model: Module) -> list[int]:
     flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
     fingerprint = _report.fingerprint(model, door.sharding_strategy.name)
     gathered_pairs = gather_objects((fingerprint, _report.held_elements(model)), door.world_size)
-    gathered = [pair[0] for pair in gathered_pairs]
-    for rank, other in enumerate(gathered):
-        if other != fingerprint:
-            diff = _report.describe_difference(gathered[0], other)
-            raise ValueError(
-                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
-                "build the same model with the same strategy arguments"
-            )
+    message = _report.disagreement([pair[0] for pair in gathered_pairs])
+    if message is not None:
+        raise ValueError(message)
     return [pair[1] for pair in gathered_pairs]
 
 

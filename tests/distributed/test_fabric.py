@@ -106,7 +106,8 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     assert info["scheduler_last_epoch"] == 3
     assert info["lr_after_load"] == 0.005
     assert info["loaded"] == {"epoch": 1, "global_step": 3}
-    assert info["remainder_keys"] == []
+    assert info["remainder_keys"] == []  # nothing of the package's own record (engine, world size) comes back
+    assert describe(ckpt)["world_size"] == (None if fmt == "full" else 2)  # the writers, as `inspect` shows them
     assert info["missing_error"] == (
         f"CheckpointError: Cannot load checkpoint '{ckpt}.missing': no such file or directory (reported by rank 0)"
     )

@@ -26,6 +26,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
     SHARDED_METADATA,
+    WORLD_SIZE_KEY,
     CheckpointError,
     _save_sharded,
     bytes_to_write,
@@ -72,6 +73,8 @@ def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
 
 def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
     """Format, writer's world size, parameter count and bytes, dtypes, optimizer presence, epoch/step, versions.
+    ``world_size`` is None for a full file and where a sharded checkpoint has no record of it (written before it was
+    recorded, or by ``convert``, whose single process writes for any world size).
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     path = Path(path)
@@ -94,9 +97,8 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
         }
         meta_tensors = [torch.empty(md.size, dtype=md.properties.dtype, device="meta") for md in model.values()]
         info.update(_tensor_summary(meta_tensors))
-        files = {info_.relative_path for info_ in metadata.storage_data.values()}
         info.update(
-            world_size=len(files),
+            world_size=rest.get(WORLD_SIZE_KEY),  # None: not recorded (older checkpoints, convert's output)
             optimizer=any(k.startswith("optimizer_") for k in metadata.state_dict_metadata),
             **_trainer_fields(rest),
         )
@@ -145,6 +147,7 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     state: dict[str, Any] = {}
     read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
+    rest.pop(WORLD_SIZE_KEY, None)  # the writers of this checkpoint, not of what is made from it
     rest["state_dict"] = state.pop("model")
     optimizers = [state[k] for k in sorted(k for k in state if k.startswith("optimizer_"))]
     if optimizers:
@@ -298,7 +301,7 @@ def convert(
         write = lambda: save_file(checkpoint, staging)  # noqa: E731
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
-        write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
+        write = lambda: _save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
     storage.write_atomically(
         dst,
         [write],
