@@ -277,6 +277,25 @@ def test_commit_puts_the_previous_checkpoint_back_when_the_rename_fails(tmp_path
     assert sorted(os.listdir(tmp_path)) == [".x.ckpt.partial", "x.ckpt"]
 
 
+def test_recover_on_every_rank_at_once_restores_the_checkpoint_without_an_error(tmp_path, monkeypatch):
+    """Two ranks sharing a file system both find ``.x.ckpt.old`` after a crash between commit's renames; the one
+    that loses the race must see the checkpoint restored, not a FileNotFoundError."""
+    path = tmp_path / "x.ckpt"
+    old = tmp_path / ".x.ckpt.old"
+    old.mkdir()
+    (old / "meta.pt").write_text("previous")
+    real = os.replace
+
+    def other_rank_first(src, dst):
+        real(src, dst)  # the other rank's restore lands between this rank's check and its rename
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_rank_first)
+    commit.recover(path)
+    assert (path / "meta.pt").read_text() == "previous"
+    assert sorted(os.listdir(tmp_path)) == ["x.ckpt"]
+
+
 # ----------------------------------------------------------------------------------------------------- convert
 @pytest.mark.parametrize("to", ["full", "sharded"])
 def test_convert_into_a_full_disk_says_so_and_leaves_nothing(small_tmpfs, tmp_path, capsys, to):
