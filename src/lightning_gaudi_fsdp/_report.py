@@ -82,6 +82,21 @@ def fingerprint(engine: Any, model: Module, sharding: str) -> dict[str, object]:
     return {"sharding_strategy": sharding, "units": engine.fingerprint(model)}
 
 
+def disagreement(fingerprints: list[dict[str, object]]) -> str | None:
+    """The error every rank raises when the gathered ``fingerprints`` (one per rank, in rank order) differ, or None.
+    Each rank is compared with rank 0, so every rank builds the same message naming rank 0, the first rank that
+    differs from it and their first difference."""
+    first = fingerprints[0]
+    rank = next((r for r, other in enumerate(fingerprints) if other != first), None)
+    if rank is None:
+        return None
+    return (
+        f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: "
+        f"{describe_difference(first, fingerprints[rank])}); every rank must build the same model with the same "
+        "strategy arguments"
+    )
+
+
 def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
     if a["sharding_strategy"] != b["sharding_strategy"]:
         return f"sharding_strategy {a['sharding_strategy']} vs {b['sharding_strategy']}"
@@ -98,14 +113,9 @@ def check_ranks_agree(door: Any, model: Module) -> list[int]:
     flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
     own = fingerprint(door._engine, model, door.sharding_strategy.name)
     gathered_pairs = gather_objects((own, door._engine.held_elements(model)), door.world_size)
-    gathered = [pair[0] for pair in gathered_pairs]
-    for rank, other in enumerate(gathered):
-        if other != own:
-            diff = describe_difference(gathered[0], other)
-            raise ValueError(
-                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
-                "build the same model with the same strategy arguments"
-            )
+    message = disagreement([pair[0] for pair in gathered_pairs])
+    if message is not None:
+        raise ValueError(message)
     return [pair[1] for pair in gathered_pairs]
 
 

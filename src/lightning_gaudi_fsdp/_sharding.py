@@ -78,7 +78,7 @@ def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) 
     """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
     if prepared is None:
         return
-    written = door._engine.load_pretrained(model, prepared)
+    written = door._engine.load_pretrained(model, prepared, fsdp_device(door))
     log.info(
         "rank %d: %d pretrained elements read from %s into its shards",
         door.global_rank,

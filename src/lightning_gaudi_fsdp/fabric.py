@@ -141,17 +141,10 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     # ----------------------------------------------------------------------------------------------------- modules
     @override
     def setup_module(self, module: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         engine = self._engine
-        if engine.shards_in_place:
-            if not engine.owns(module):
-                engine.shard(self, module)
-        elif engine.owns(module):
-            _sharding.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
-            module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
-            if isinstance(module, FSDP):
-                _sharding.keep_batch_dtypes(self, module)
+        if engine.owns(module):  # sharded before (FSDP2) or wrapped by hand in init_module (FSDP1)
+            module = engine.adopt_wrapped(self, module, super().setup_module)
         else:
             module = engine.shard(self, module)
         if self._compile_kwargs is not None:

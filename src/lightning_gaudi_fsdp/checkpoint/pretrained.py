@@ -255,10 +255,21 @@ def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Call
     return lambda start, stop: full if full.dim() == 0 else full[start:stop]
 
 
+def _materialize_meta(model: Module, device: torch.device | str) -> None:
+    """Parameters no FSDP unit manages (``ignored_modules``/``ignored_states``) are loaded whole; FSDP1 leaves them
+    on the meta device, so they get memory on ``device`` first."""
+    materialize = empty_init(torch.device(device))
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            materialize(module)
+
+
 @torch.no_grad()
-def load(model: Module, prepared: Plan) -> int:
+def load(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
     """Copy the rank's part of every planned parameter into ``model``, unsharded or sharded by FSDP1 (its flat
-    parameters' slices). Returns the number of elements written."""
+    parameters' slices); parameters no unit manages get memory on ``device`` first. Returns the number of elements
+    written."""
+    _materialize_meta(model, device)
     written = 0
     seen: set[str] = set()
     for unit in fsdp1_internals.units(model):
@@ -277,8 +288,9 @@ def load(model: Module, prepared: Plan) -> int:
 
 
 @torch.no_grad()
-def load_dtensors(model: Module, prepared: Plan) -> int:
+def load_dtensors(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
     """:func:`load` for a model sharded by FSDP2 (each parameter's dim-0 chunk of this rank)."""
+    _materialize_meta(model, device)
     from torch.distributed.tensor import DTensor
 
     written = 0
@@ -307,7 +319,7 @@ def _load_unmanaged(model: Module, prepared: Plan, seen: set[str]) -> int:
     written = 0
     for raw, param in model.named_parameters():
         name = clean_name(raw)
-        if name in seen or name not in prepared.entries or param.is_meta:
+        if name in seen or name not in prepared.entries:
             continue
         if isinstance(param, DTensor):
             continue

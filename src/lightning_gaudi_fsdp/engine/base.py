@@ -4,6 +4,7 @@ the report and the checkpoint code ask it; nothing else decides which engine a m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -26,6 +27,10 @@ class Engine(Protocol):
     def shard(self, door: Any, model: Module) -> Module:
         """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
 
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        """Set up a model that :meth:`owns` already holds units of (wrapped by hand: FSDP1 through Lightning's
+        ``lightning_setup``; sharded before: FSDP2, as it is)."""
+
     def wrap_context(self, door: Any) -> AbstractContextManager:
         """Around the model's construction: what ``wrap()`` calls inside it build (FSDP1 only)."""
 
@@ -46,9 +51,9 @@ class Engine(Protocol):
 
     def unit_count(self, model: Module) -> int: ...
 
-    def load_pretrained(self, model: Module, prepared: Any) -> int:
-        """Copy this rank's part of each planned pretrained parameter into its shards; returns the elements
-        written."""
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        """Copy this rank's part of each planned pretrained parameter into its shards (parameters no unit manages
+        get memory on ``device`` first); returns the elements written."""
 
 
 def select(fsdp_version: int) -> Engine:

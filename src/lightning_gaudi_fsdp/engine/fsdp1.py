@@ -4,6 +4,7 @@ parameters' layout: :mod:`..adapters.fsdp1_internals`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -28,6 +29,19 @@ class FSDP1:
 
     def shard(self, door: Any, model: Module) -> Module:
         return wrap(door, model)
+
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        """A model whose FSDP units the user wrapped by hand (``wrap()`` in ``configure_model`` or under
+        ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
+        activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
+        a model the strategy wraps, and the batch dtypes kept at the root."""
+        _sharding.plan_pretrained(door, model)  # refuses pretrained_weights for a model wrapped by hand
+        model = lightning_setup(model)
+        if door._activation_checkpointing_kwargs:
+            door._cache_off_in_training = activation.apply_cache_off_in_training(model)
+        if isinstance(model, fsdp1_internals.fsdp_class()):
+            _sharding.keep_batch_dtypes(door, model)
+        return model
 
     def wrap_context(self, door: Any) -> AbstractContextManager:
         from torch.distributed.fsdp.wrap import enable_wrap
@@ -57,8 +71,8 @@ class FSDP1:
     def unit_count(self, model: Module) -> int:
         return sum(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
 
-    def load_pretrained(self, model: Module, prepared: Any) -> int:
-        return pretrained.load(model, prepared)
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        return pretrained.load(model, prepared, device)
 
 
 def wrap(door: Any, model: Module) -> Module:

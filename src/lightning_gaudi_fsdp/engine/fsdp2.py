@@ -173,6 +173,9 @@ class FSDP2:
     def shard(self, door: Any, model: Module) -> Module:
         return shard(door, model)
 
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        return model  # sharded in place before (validate/test/predict after fit, a second setup_module)
+
     def wrap_context(self, door: Any) -> AbstractContextManager:
         return nullcontext()  # fully_shard has no wrap() to configure
 
@@ -199,8 +202,8 @@ class FSDP2:
     def unit_count(self, model: Module) -> int:
         return len(unit_names(model))
 
-    def load_pretrained(self, model: Module, prepared: Any) -> int:
-        return pretrained.load_dtensors(model, prepared)
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        return pretrained.load_dtensors(model, prepared, device)
 
 
 @contextmanager
