@@ -258,11 +258,10 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
 
 
 def _full_state(trainer: Any) -> dict[str, Any]:
-    from lightning_gaudi_fsdp.checkpoint import formats
-
     model = trainer.strategy.model
-    full = formats.model_state_dict(model, "full", "cpu")
-    optim = formats.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
+    engine = trainer.strategy._engine
+    full = engine.model_state_dict(model, "full", "cpu")
+    optim = engine.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
     return {"state_dict": full, "optimizer_states": [optim]}
 
 

@@ -39,7 +39,8 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
         checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
     if door._state_dict_type != "local":
         return None
-    return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
+    layout = door._engine.local_layout(model)
+    return formats.local_metadata(layout, model, door.sharding_strategy.name, _report.versions(), optimizers)
 
 
 def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSaver | None:
@@ -190,6 +191,7 @@ def load_agreed(
         lambda: loading.check_load(
             path,
             model,
+            engine=door._engine,
             world_size=door.world_size,
             rank=door.global_rank,
             device_type=device_type,
@@ -199,5 +201,11 @@ def load_agreed(
         ),
     )
     return loading.apply_load(
-        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
+        pending,
+        model,
+        optimizers,
+        engine=door._engine,
+        device_type=device_type,
+        strict=strict,
+        load_optimizers=load_optimizers,
     )

@@ -225,9 +225,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         }
         schedulers = [key for key, obj in state.items() if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
         checkpoint: dict[str, Any] = {
-            "state_dict": keep(model_key, formats.model_state_dict(model, fmt, device_type, stream)),
+            "state_dict": keep(model_key, self._engine.model_state_dict(model, fmt, device_type, stream)),
             "optimizer_states": [
-                keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
+                keep(key, self._engine.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
                 for key, opt in optimizers.items()
             ],
             "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
@@ -302,7 +302,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         held = {id(p) for group in obj.param_groups for p in group["params"]}
         owner = next((m for m in self._models if held <= {id(p) for p in m.parameters()}), None)
         if owner is not None:  # an optimizer of a sharded model: the full state is sharded as it loads
-            loading.load_full_optimizer(owner, obj, state, self.root_device.type)
+            self._engine.load_full_optimizer(owner, obj, state, self.root_device.type)
         else:
             obj.load_state_dict(state)
 

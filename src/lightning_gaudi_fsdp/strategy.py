@@ -27,7 +27,6 @@ from typing_extensions import override
 
 from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _report, _sharding, precision
 from lightning_gaudi_fsdp.adapters import lightning_internals, torch_internals
-from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.engine import fsdp1
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -381,7 +380,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         ):
             stream = None
         self._pending_stream = stream
-        return formats.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
+        return self._engine.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -391,7 +390,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             optimizer = optimizer.optimizer
         model = self._wrapped_model()
         stream = self._pending_stream if lightning_internals.building_checkpoint_to_save() else None
-        return formats.optimizer_state_dict(
+        return self._engine.optimizer_state_dict(
             model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank, stream
         )
 

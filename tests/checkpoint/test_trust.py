@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gaudi_fsdp.checkpoint import convert, formats, loading, trust
 from lightning_gaudi_fsdp.cli import main
+from lightning_gaudi_fsdp.engine import fsdp1_io
+from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
 
 # What save_hyperparameters commonly holds: plain values, containers, a path and numpy scalars.
 HPARAMS: dict[str, Any] = {
@@ -124,8 +126,10 @@ def _local_from(ckpt: dict[str, Any], path: Path) -> Path:
 def _check_load(path: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> loading.PendingLoad:
     # An unwrapped model: FSDP's state-dict context plays no part in what is unpickled (the distributed test runs
     # the real thing), so it is a no-op here.
-    monkeypatch.setattr(loading, "state_dict_context", lambda *a, **k: contextlib.nullcontext())
-    return loading.check_load(path, Tiny(), world_size=1, rank=0, device_type="cpu", strict=True, **kwargs)
+    monkeypatch.setattr(fsdp1_io, "state_dict_context", lambda *a, **k: contextlib.nullcontext())
+    return loading.check_load(
+        path, Tiny(), engine=FSDP1(), world_size=1, rank=0, device_type="cpu", strict=True, **kwargs
+    )
 
 
 # ------------------------------------------------------------------------------------------- own checkpoints load

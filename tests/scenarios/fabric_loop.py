@@ -29,7 +29,7 @@ from common import Module, RandomRegression, StreamedSaves, load_config, write_j
 from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave
 
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
 GLOBAL_BATCH = 8
@@ -66,7 +66,7 @@ def device_type(model: Any) -> str:
 
 
 def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    state = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", device_type(model))
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
@@ -109,7 +109,7 @@ def raw_checks(
 
     # a plain torch.save of the model's state dict, into both
     plain_file = out / "plain.pt"
-    full = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    full = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", device_type(model))
     if rank == 0:
         torch.save(full, plain_file)
     fabric.barrier()
@@ -122,7 +122,7 @@ def raw_checks(
     # an optimizer alone: from a full checkpoint, refused for the others with what to do instead
     try:
         fabric.load_raw(ckpt, other_optimizer)
-        loaded = formats.optimizer_state_dict(
+        loaded = engine_of(other._forward_module).optimizer_state_dict(
             other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
         )
         if rank == 0:
@@ -206,7 +206,7 @@ def main() -> None:
         at_load = full_weights(model, rank)
         loaded = {  # collectives: every rank
             "weights": at_load,
-            "optimizer": formats.optimizer_state_dict(
+            "optimizer": engine_of(model._forward_module).optimizer_state_dict(
                 model._forward_module, optimizer.optimizer, "full", device_type(model), rank
             ),
             "scheduler": scheduler.state_dict(),
@@ -293,7 +293,9 @@ def main() -> None:
         final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
     )
     final = full_weights(model, rank)
-    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
+    optim = engine_of(model._forward_module).optimizer_state_dict(
+        model._forward_module, optimizer.optimizer, "full", device_type(model), rank
+    )
     if rank == 0:
         torch.save(
             {

@@ -17,7 +17,7 @@ from peft_train import DECODER_LAYER, SEQ, TINY_LLAMA, _gen, build_model
 from train import leave
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     mine = tokens[rank::world]  # DistributedSampler(shuffle=False): rows r, r + world, ...
 
     def weights(name: str) -> None:
-        state = formats.model_state_dict(model._forward_module, "full", "cpu")
+        state = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", "cpu")
         if rank == 0:
             torch.save(state, out / name)
 

@@ -25,7 +25,7 @@ from common import QUIET_TRAINER, PeakSampler, load_config, write_json
 from torch.utils.data import DataLoader
 from train import leave
 
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 BATCH, SEQ = 4, 16
@@ -126,7 +126,7 @@ class FineTune(L.LightningModule):
 
 
 def loaded_state(cfg: dict[str, Any], model: torch.nn.Module, rank: int, strip: str) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model, "full", "cpu")
+    state = engine_of(model).model_state_dict(model, "full", "cpu")
     return {k.removeprefix(strip): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 

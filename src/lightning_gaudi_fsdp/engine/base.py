@@ -13,6 +13,7 @@ from torch.nn import Module
 
 from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
 from lightning_gaudi_fsdp.engine.fsdp2 import FSDP2
+from lightning_gaudi_fsdp.engine.fsdp2_state import is_fsdp2
 
 
 class Engine(Protocol):
@@ -51,6 +52,38 @@ class Engine(Protocol):
 
     def unit_count(self, model: Module) -> int: ...
 
+    # checkpoints, per format
+    def model_state_dict(self, model: Module, fmt: str, device_type: str, stream: Any = None) -> dict[str, Any]:
+        """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``); ``stream``: plan a full state's
+        gather on it instead (see :mod:`..checkpoint.streaming`)."""
+
+    def optimizer_state_dict(
+        self, model: Module, optimizer: Any, fmt: str, device_type: str, rank: int, stream: Any = None
+    ) -> dict[str, Any]: ...
+
+    def local_layout(self, model: Module) -> dict[str, Any]:
+        """What a local checkpoint records of the model (with ``engine``: this engine's version)."""
+
+    def check_local_layout(self, path: Any, meta: dict[str, Any], model: Module) -> None:
+        """Raise ``CheckpointError`` when a local checkpoint's recorded layout does not fit ``model``."""
+
+    def current_state(self, model: Module, fmt: str, device_type: str) -> dict[str, Any]:
+        """The sharded or local state dict a checkpoint of that format is checked against."""
+
+    def local_shard_keys(self, current: dict[str, Any]) -> list[str]:
+        """The keys of :meth:`current_state` a rank's local shard must hold."""
+
+    def expected_full_shapes(self, model: Module) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the parameters a full state dict of ``model`` must hold."""
+
+    def apply_load(
+        self, pending: Any, model: Module, optimizers: Any, *, device_type: str, strict: bool, load_optimizers: bool
+    ) -> None:
+        """Load a checked checkpoint (``loading.PendingLoad``) into ``model`` and ``optimizers``."""
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        """Load one full optimizer state into ``optimizer`` of the sharded ``model``."""
+
     def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
         """Copy this rank's part of each planned pretrained parameter into its shards (parameters no unit manages
         get memory on ``device`` first); returns the elements written."""
@@ -59,3 +92,8 @@ class Engine(Protocol):
 def select(fsdp_version: int) -> Engine:
     """The engine for a resolved ``fsdp_version`` (1 or 2)."""
     return FSDP2() if fsdp_version == 2 else FSDP1()
+
+
+def of(model: Module) -> Engine:
+    """The engine that set ``model`` up, for code that holds only a model (tests, tools); the doors hold theirs."""
+    return FSDP2() if is_fsdp2(model) else FSDP1()

@@ -15,7 +15,7 @@ from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _sharding
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
-from lightning_gaudi_fsdp.engine import fsdp1_state
+from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
 
 
 class FSDP1:
@@ -73,6 +73,19 @@ class FSDP1:
 
     def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
         return pretrained.load(model, prepared, device)
+
+    # checkpoints, per format (:mod:`.fsdp1_io`)
+    model_state_dict = staticmethod(fsdp1_io.model_state_dict)
+    optimizer_state_dict = staticmethod(fsdp1_io.optimizer_state_dict)
+    local_layout = staticmethod(fsdp1_io.local_layout)
+    check_local_layout = staticmethod(fsdp1_io.check_local_layout)
+    current_state = staticmethod(fsdp1_io.current_state)
+    local_shard_keys = staticmethod(fsdp1_io.local_shard_keys)
+    expected_full_shapes = staticmethod(fsdp1_io.expected_full_shapes)
+    apply_load = staticmethod(fsdp1_io.apply_load)
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        fsdp1_io.load_full_optimizers(model, [optimizer], [state], device_type)
 
 
 def wrap(door: Any, model: Module) -> Module:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.fsdp import CPUOffload, ShardingStrategy
@@ -22,7 +22,11 @@ from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _sharding
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
 from lightning_gaudi_fsdp.engine.fsdp2_state import is_fsdp2
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 log = logging.getLogger("lightning_gaudi_fsdp")
 
@@ -204,6 +208,29 @@ class FSDP2:
 
     def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
         return pretrained.load_dtensors(model, prepared, device)
+
+    # checkpoints, per format (:mod:`.fsdp2_state`, :mod:`.fsdp2_io`)
+    local_layout = staticmethod(fsdp2_io.local_layout)
+    check_local_layout = staticmethod(fsdp2_io.check_local_layout)
+    current_state = staticmethod(fsdp2_io.current_state)
+    expected_full_shapes = staticmethod(fsdp2_state.expected_full_shapes)
+    apply_load = staticmethod(fsdp2_io.apply_load)
+
+    def model_state_dict(
+        self, model: Module, fmt: str, device_type: str, stream: FullStream | None = None
+    ) -> dict[str, Any]:
+        return fsdp2_state.model_state_dict(model, fmt, stream)
+
+    def optimizer_state_dict(
+        self, model: Module, optimizer: Any, fmt: str, device_type: str, rank: int, stream: FullStream | None = None
+    ) -> dict[str, Any]:
+        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank, stream)
+
+    def local_shard_keys(self, current: dict[str, Any]) -> list[str]:
+        return list(current)
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        fsdp2_io.load_full_optimizer(model, optimizer, state)
 
 
 @contextmanager
