@@ -22,7 +22,7 @@ def test_defaults_are_resolved_without_touching_devices():
     assert strategy.kwargs["use_orig_params"] is True
     assert strategy.kwargs["limit_all_gathers"] is True
     assert strategy._state_dict_type == "full"
-    assert strategy._check_free_space is None  # the environment decides, at each save
+    assert strategy._config.check_free_space is None  # the environment decides, at each save
     assert strategy.parallel_devices is None  # nothing probed at construction
 
 
@@ -137,11 +137,11 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     strategy = GaudiFSDPStrategy(
         fsdp_version="2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32", "output_dtype": "fp32"}
     )
-    assert strategy._fsdp_version == 2
-    assert strategy._mp_policy == MixedPrecisionPolicy(
+    assert strategy._config.fsdp_version == 2
+    assert strategy._config.mp_policy == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=True
     )
-    assert strategy._keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
+    assert strategy._config.keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
     assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
 
 

@@ -31,7 +31,7 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     other formats)."""
     from lightning_gaudi_fsdp.checkpoint import hf_export
 
-    checkpoint[formats.ENGINE_KEY] = door._fsdp_version
+    checkpoint[formats.ENGINE_KEY] = door._config.fsdp_version
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
         checkpoint[formats.HF_KEY] = record
@@ -79,8 +79,8 @@ def save_checkpoint(
         rank=door.global_rank,
         world_size=door.world_size,
         local_metadata=local_metadata,
-        check_free_space=door._check_free_space,
-        crc32=door._checkpoint_crc32,
+        check_free_space=door._config.check_free_space,
+        crc32=door._config.checkpoint_crc32,
     )
 
     def gather(obj: Any) -> list[Any]:

@@ -1,6 +1,11 @@
 """The strategies' arguments, checked once: :func:`resolve` turns what a user passes to either front door (the
 Trainer's ``strategy.GaudiFSDPStrategy`` or Fabric's ``fabric.GaudiFSDPStrategy``) into one frozen :class:`Resolved`,
-before any process starts; :func:`adopt` keeps it on the door after Lightning's ``__init__``."""
+before any process starts; :func:`adopt` keeps it on the door (``door._config``) after Lightning's ``__init__``.
+
+Adding an argument: its parameter and docstring line in both doors' signatures (the Trainer's spells it out for
+LightningCLI; ``tests/test_fabric.py`` keeps Fabric's equal), its parameter here in :func:`resolve` with its
+:class:`Resolved` field and the ``options.resolve_*`` call that checks it, and the code that reads
+``door._config.<field>``. Nothing else copies it."""
 
 from __future__ import annotations
 
@@ -170,29 +175,18 @@ def resolve_keywords(door: str, arguments: Mapping[str, Any]) -> Resolved:
 
 
 def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
-    """After Lightning's ``__init__``: keep the resolved arguments on the strategy (``kwargs``: the FSDP keyword
-    arguments Lightning collected)."""
+    """After Lightning's ``__init__``: keep the resolved arguments on the strategy as ``door._config`` (the one place
+    the package reads them from) with the engine they choose, and set the Lightning attributes Lightning's own code
+    reads (``kwargs``: the FSDP keyword arguments Lightning collected)."""
     if resolved.process_group is None:
         kwargs.pop("process_group", None)
     # Kept apart from the kwargs: Lightning would build a tuple mesh on "cuda"; it is built on our device.
     kwargs.pop("device_mesh", None)
-    door._device_mesh = resolved.device_mesh
-    door._state_dict_type = resolved.state_dict_type
-    door._fsdp_version = resolved.fsdp_version
+    door._config = resolved
     door._engine = engine.select(resolved.fsdp_version)  # chosen once; the door asks it for what differs
-    door._mp_policy = resolved.mp_policy
-    door._ignored_modules = resolved.ignored_modules
-    door._ignored_states = resolved.ignored_states
-    door._device_id = resolved.device_id
-    door._activation_checkpointing_kwargs = resolved.activation_checkpointing_kwargs
-    door._compile_kwargs = resolved.compile_kwargs
-    door._eager_pipeline = resolved.eager_pipeline
-    door._keep_batch_dtypes = resolved.keep_batch_dtypes
-    door._check_free_space = resolved.check_free_space
-    door._checkpoint_crc32 = resolved.checkpoint_crc32
-    door._pretrained = resolved.pretrained
-    door._failure_timeout = resolved.failure_timeout
-    door._stuck_timeout = resolved.stuck_timeout
+    door._device_mesh = resolved.device_mesh  # replaced by the mesh built once the process group exists
+    door._state_dict_type = resolved.state_dict_type
+    door._activation_checkpointing_kwargs = resolved.activation_checkpointing_kwargs  # Lightning's hand-wrapped path
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None

@@ -5,7 +5,7 @@ Lightning's Trainer and Fabric ``FSDPStrategy`` classes share no base beyond ``P
 packages, so the functions here (and in :mod:`._sharding`) take the strategy object itself (``door``) and read the
 attributes both doors have: Lightning's (``kwargs``, ``sharding_strategy``, ``cpu_offload``,
 ``mixed_precision_config``, ``root_device``, ``world_size``, ``num_nodes``, ``num_processes``, ``parallel_devices``,
-``process_group_backend``) and the ones :func:`._config.adopt` sets from the resolved arguments.
+``process_group_backend``) and the resolved arguments as ``door._config`` (see :func:`._config.adopt`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class GaudiPlatform:
         before_process_group(self)
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
         with _liveness.bounded_rendezvous(
-            self._failure_timeout,  # type: ignore[attr-defined]
+            self._config.failure_timeout,  # type: ignore[attr-defined]
             lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
             lambda: launched_pids(self),
         ):
@@ -112,7 +112,7 @@ def before_launch(door: Any) -> None:
     if on_hpu(door):
         door._get_process_group_backend()  # a wrong backend fails before any process starts
         gaudi.ensure_eager_mode()
-        gaudi.apply_launch_environment(door._eager_pipeline)
+        gaudi.apply_launch_environment(door._config.eager_pipeline)
 
 
 def before_process_group(door: Any) -> None:
@@ -137,7 +137,11 @@ def after_process_group(door: Any) -> None:
     if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
         door._heartbeat = _liveness.Heartbeat(
-            door.global_rank, door.world_size, node, bound_s=door._failure_timeout, stuck_s=door._stuck_timeout
+            door.global_rank,
+            door.world_size,
+            node,
+            bound_s=door._config.failure_timeout,
+            stuck_s=door._config.stuck_timeout,
         )
         door._heartbeat.start()
         # An exception that ends the script outside the door's own hooks (Fabric has none; after the Trainer's

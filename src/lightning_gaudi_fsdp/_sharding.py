@@ -21,7 +21,7 @@ log = logging.getLogger("lightning_gaudi_fsdp")
 
 
 def fsdp_device(door: Any) -> torch.device:
-    device_id = door._device_id
+    device_id = door._config.device_id
     if device_id is None:
         return door.root_device
     if isinstance(device_id, int):
@@ -42,11 +42,11 @@ def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
 
 def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
-    if door._ignored_modules is not None:
-        kwargs["ignored_modules"] = options.resolve_submodules(module, door._ignored_modules, "ignored_modules")
-    if door._ignored_states is not None:
+    if door._config.ignored_modules is not None:
+        kwargs["ignored_modules"] = options.resolve_submodules(module, door._config.ignored_modules, "ignored_modules")
+    if door._config.ignored_states is not None:
         kwargs["ignored_states"] = options.resolve_submodules(
-            module, door._ignored_states, "ignored_states", allow_parameters=True
+            module, door._config.ignored_states, "ignored_states", allow_parameters=True
         )
     return kwargs
 
@@ -54,13 +54,13 @@ def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
 def init_context(door: Any) -> AbstractContextManager:
     """Around the model's construction (``configure_model``, ``fabric.init_module()``): with ``pretrained_weights``,
     parameters are created on the meta device (the shards get the file's values after wrapping)."""
-    return pretrained.parameters_on_meta() if door._pretrained is not None else nullcontext()
+    return pretrained.parameters_on_meta() if door._config.pretrained is not None else nullcontext()
 
 
 def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
     """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
     so every rank raises them before any collective); adapters draw from rank 0's seed."""
-    if door._pretrained is None:
+    if door._config.pretrained is None:
         return None
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -69,7 +69,7 @@ def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
             "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
             "and let auto_wrap_policy choose the FSDP units"
         )
-    prepared = pretrained.plan(model, door._pretrained)
+    prepared = pretrained.plan(model, door._config.pretrained)
     prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
     return prepared
 
@@ -83,13 +83,13 @@ def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) 
         "rank %d: %d pretrained elements read from %s into its shards",
         door.global_rank,
         written,
-        door._pretrained.path,
+        door._config.pretrained.path,
     )
 
 
 def keep_batch_dtypes(door: Any, model: Module) -> None:
     door._fsdp_root = model
-    if door._keep_batch_dtypes:
+    if door._config.keep_batch_dtypes:
         # The units below cast their own inputs; the root (the LightningModule) leaves the batch as it is.
         model.mixed_precision = dataclasses.replace(
             model.mixed_precision, cast_forward_inputs=False, cast_root_forward_inputs=False
@@ -99,7 +99,7 @@ def keep_batch_dtypes(door: Any, model: Module) -> None:
 def compile_root(door: Any, model: Module) -> None:
     """Compile the FSDP root in place (``nn.Module.compile``): the module stays an FSDP instance, so checkpoint
     contexts keep working, and dynamo traces through FSDP's hooks (it needs ``use_orig_params=True``)."""
-    kwargs = dict(door._compile_kwargs)
+    kwargs = dict(door._config.compile_kwargs)
     kwargs.setdefault("backend", gaudi.default_compile_backend(door.root_device.type))
     gaudi.prepare_compile_backend(kwargs["backend"])
     model.compile(**kwargs)

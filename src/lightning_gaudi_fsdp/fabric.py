@@ -147,7 +147,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             module = engine.adopt_wrapped(self, module, super().setup_module)
         else:
             module = engine.shard(self, module)
-        if self._compile_kwargs is not None:
+        if self._config.compile_kwargs is not None:
             _sharding.compile_root(self, module)
         self.precision.attach(module, engine)
         _report.announce(self, module, ("Fabric precision", str(self.precision.precision)))

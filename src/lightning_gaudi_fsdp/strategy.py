@@ -237,7 +237,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             self._warn_if_precision_overlaps()
             model = self._engine.shard(self, model)
         self._fsdp_root = model if isinstance(model, FSDP) else None
-        if self._compile_kwargs is not None and previous is not model:
+        if self._config.compile_kwargs is not None and previous is not model:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
         return model
@@ -246,7 +246,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if self._engine.owns(model):  # validate/test/predict after fit: already sharded in place
             return model
         self._engine.shard(self, model)
-        if self._compile_kwargs is not None:
+        if self._config.compile_kwargs is not None:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
         return model
@@ -342,7 +342,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             # asynchronous save's copies are waited for after it, so they overlap the forward and backward.
             closure = functools.partial(_then_wait_for_copies, closure, self)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._compile_kwargs is not None:
+        if self._config.compile_kwargs is not None:
             # FSDP keeps the sharded gradient on the flat parameter while the next forward unshards its data;
             # dynamo cannot trace a tensor whose .grad has another size. The step consumed the gradients and the
             # next backward would zero them anyway, so drop them now.

@@ -180,7 +180,7 @@ def main() -> None:
     optimizer, scheduler = make_optimizer(model.parameters())
     optimizer = fabric.setup_optimizers(optimizer)
     info["precision"] = type(fabric.strategy.precision).__name__
-    info["engine"] = fabric.strategy._fsdp_version
+    info["engine"] = fabric.strategy._config.fsdp_version
     initial = full_weights(model, rank)
 
     state: dict[str, Any] = {

@@ -192,7 +192,7 @@ class FSDP2:
         return _no_sync(module)
 
     def mixed_precision_row(self, door: Any) -> str:
-        mp = door._mp_policy
+        mp = door._config.mp_policy
         if mp is None:
             return "fp32 (no FSDP mixed precision)"
         return f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, output={mp.output_dtype}"
@@ -258,10 +258,10 @@ def shard(door: Any, model: Module) -> Module:
         units,
         mesh=mesh(door),
         reshard_after_forward=door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-        mp_policy=door._mp_policy,
+        mp_policy=door._config.mp_policy,
         offload_policy=_offload_policy(offload),
         ignored_params=_ignored_parameters(ignored),
-        root_casts_inputs=not door._keep_batch_dtypes,
+        root_casts_inputs=not door._config.keep_batch_dtypes,
     )
     device = _sharding.fsdp_device(door)
     init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
