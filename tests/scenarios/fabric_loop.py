@@ -12,7 +12,10 @@ with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1
 checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
 seconds late), ``exit_normally`` (end after training without teardown or
 ``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON).
+round trips; results under ``raw`` in the rank's JSON), ``lightning_layout`` (beside ``save``, rank 0 also writes this
+file in the layout Lightning's own Fabric ``FSDPStrategy`` writes for ``state_dict_type="full"``, built from its source
+without this package's save: each entry of ``state`` under its key, the model as its full state dict, the optimizer as
+``FSDP.optim_state_dict``'s full form, keyed by parameter name).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def raw_checks(
     if fmt == "full":  # first, while the second model still holds its own initial weights
         filtered = str(out / "filtered.ckpt")
         fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
-        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
+        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["model"])
         before = full_weights(other, rank)
         try:
             fabric.load(filtered, {"model": other})
@@ -126,8 +129,9 @@ def raw_checks(
             other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
         )
         if rank == 0:
-            saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]
-            torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
+            saved = torch.load(ckpt, weights_only=True)["optimizer"]  # Fabric's layout: keyed by parameter name
+            names = formats.param_id_names(other._forward_module)
+            torch.save({"saved": saved, "loaded": formats.optimizer_state_by_name(loaded, names)}, out / "raw_optimizer.pt")
     except Exception as err:
         seen["optimizer_error"] = f"{type(err).__name__}: {err}"
     try:
@@ -135,6 +139,31 @@ def raw_checks(
     except Exception as err:
         seen["missing_error"] = f"{type(err).__name__}: {err}"
     return seen
+
+
+def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str, Any], rank: int) -> None:
+    """What ``lightning.fabric.strategies.FSDPStrategy.save_checkpoint`` writes with ``state_dict_type="full"``:
+    ``full_state[key]`` for each entry of ``state`` (a module as its full state dict, an optimizer as
+    ``FSDP.optim_state_dict`` under a full state-dict context, i.e. keyed by parameter name, anything else as given or
+    its ``state_dict()``), then ``torch.save(full_state, path)`` on rank 0."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    weights = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    by_id = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
+    if rank != 0:
+        return
+    plain = Module(depth=3)  # the unwrapped model: the names FSDP.optim_state_dict keys the state by
+    plain.load_state_dict(weights)
+    full_state = {}
+    for key, obj in state.items():
+        if obj is model:
+            full_state[key] = weights
+        elif obj is optimizer:
+            full_state[key] = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, plain)
+        else:
+            full_state[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    torch.save(full_state, path)
 
 
 def _weights(plain: Module) -> dict[str, torch.Tensor]:
@@ -257,6 +286,8 @@ def main() -> None:
             streamed = saved_streamed = StreamedSaves()
             started = time.monotonic()
             fabric.save(cfg["save"], state)
+            if cfg.get("lightning_layout"):
+                save_lightning_layout(cfg["lightning_layout"], model, optimizer, state, rank)
             background = fabric.strategy._background
             info["save"] = {
                 "seconds": time.monotonic() - started,
