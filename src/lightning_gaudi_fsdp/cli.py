@@ -50,6 +50,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
+        ("layout", "Fabric (entries of the saved state)" if info["layout"] == "fabric" else "Trainer"),
         ("engine (writer)", info["engine"]),
         ("world size (writer)", "any (full file)" if info["world_size"] is None else str(info["world_size"])),
         ("parameters", f"{info['parameters']:,}"),

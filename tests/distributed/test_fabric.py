@@ -31,7 +31,8 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, tmp_path, 
     loads strictly into the plain model (here the scenario's ``Module``, standing in for a LitGPT ``GPT``), whose
     outputs equal the trained model's."""
     ckpt = tmp_path / "fabric.ckpt"
-    cfg = {"reference": True, "clip_value": 0.05, "clip_norm": 0.1, "epochs": 2, "save": str(ckpt), "save_after_epoch": 2}
+    cfg = {"reference": True, "clip_value": 0.05, "clip_norm": 0.1, "epochs": 2}
+    cfg.update(save=str(ckpt), save_after_epoch=2)
     if engine == 1:
         cfg["strategy_name"] = "gaudi_fsdp"
     else:

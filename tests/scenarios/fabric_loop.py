@@ -131,7 +131,8 @@ def raw_checks(
         if rank == 0:
             saved = torch.load(ckpt, weights_only=True)["optimizer"]  # Fabric's layout: keyed by parameter name
             names = formats.param_id_names(other._forward_module)
-            torch.save({"saved": saved, "loaded": formats.optimizer_state_by_name(loaded, names)}, out / "raw_optimizer.pt")
+            loaded = formats.optimizer_state_by_name(loaded, names)
+            torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
     except Exception as err:
         seen["optimizer_error"] = f"{type(err).__name__}: {err}"
     try:

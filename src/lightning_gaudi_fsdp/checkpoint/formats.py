@@ -43,6 +43,7 @@ LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
 PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 ENGINE_KEY = "gaudi_fsdp_engine"  # the FSDP engine (1 or 2) that wrote the checkpoint, in its trainer state
+BOOK_KEY = "gaudi_fsdp"  # Fabric's layout: the package's bookkeeping (see .views), naming the model and optimizers
 
 
 def local_shard_name(rank: int) -> str:
@@ -322,7 +323,7 @@ def bytes_to_write(
         return storage.estimate_bytes(checkpoint) if rank == 0 else 0
     model_state, optimizer_states, rest = _split_state(checkpoint)
     if fmt == "sharded":
-        own = storage.estimate_bytes(_dcp_state(model_state, optimizer_states), tensors="elements")
+        own = storage.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
     else:
         own = storage.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
     if rank == 0:
@@ -346,13 +347,23 @@ def detect_format_or_none(path: Path) -> CheckpointFormat | None:
 
 
 def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    """The model state, the optimizer states and the rest, of a checkpoint in the Trainer's layout or in Fabric's
+    (whose :data:`BOOK_KEY` names the model's and optimizers' entries)."""
     rest = dict(checkpoint)
+    book = rest.get(BOOK_KEY)
+    if isinstance(book, Mapping):
+        return rest.pop(book["model"], {}), [rest.pop(k) for k in book["optimizers"] if k in rest], rest
     model_state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", [])
     return model_state, optimizer_states, rest
 
 
-def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+def _dcp_state(checkpoint: dict[str, Any], model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+    """The DCP entries: the Trainer's keys (``model``, ``optimizer_<i>``), or in Fabric's layout the keys of the
+    ``state`` given to ``fabric.save``, as Lightning's Fabric writes them."""
+    book = checkpoint.get(BOOK_KEY)
+    if isinstance(book, Mapping):
+        return {book["model"]: model_state, **dict(zip(book["optimizers"], optimizer_states, strict=True))}
     return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
 
 
@@ -362,11 +373,15 @@ def _save_sharded(
     """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
     them on load like any other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
-    state = _dcp_state(model_state, optimizer_states)
+    state = _dcp_state(checkpoint, model_state, optimizer_states)
     _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
-        rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
+        groups = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
+        if isinstance(rest.get(BOOK_KEY), Mapping):
+            rest[BOOK_KEY] = {**rest[BOOK_KEY], OPTIMIZER_GROUPS_KEY: groups}  # Fabric's layout: bookkeeping
+        else:
+            rest[OPTIMIZER_GROUPS_KEY] = groups
         save_file(rest, staging / SHARDED_METADATA)
 
 
