@@ -136,3 +136,25 @@ def test_a_file_of_no_known_layout_is_refused_naming_what_it_lacks(tmp_path):
     torch.save({"step": 1, "note": "no model"}, path)
     with pytest.raises(CheckpointError, match="it has no 'state_dict' entry; it is not a Lightning checkpoint"):
         describe(path)
+
+
+def test_a_sharded_checkpoint_of_lightning_fabric_inspects_and_converts(tmp_path):
+    """Lightning's Fabric sharded layout, made by hand as its ``save_checkpoint`` does: the model and optimizer in DCP
+    under their keys of ``state`` (here ``net`` and ``opt``, not the Trainer's ``model``/``optimizer_0``), the other
+    entries in ``meta.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer, scheduler = _trained()
+    src = tmp_path / "lightning-sharded"
+    by_name = FSDP.rekey_optim_state_dict(optimizer.state_dict(), OptimStateKeyType.PARAM_NAME, model)
+    dcp.save({"net": model.state_dict(), "opt": by_name}, checkpoint_id=src, no_dist=True)
+    torch.save({"scheduler": scheduler.state_dict(), "step": 2}, src / "meta.pt")
+    info = describe(src)
+    assert (info["format"], info["layout"], info["optimizer"]) == ("sharded", "fabric", True)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    out = tmp_path / "full.ckpt"
+    convert(src, out, "full")
+    converted = torch.load(out, weights_only=True)
+    assert list(converted) == ["net", "opt", "scheduler", "step", "gaudi_fsdp"]
+    torch.testing.assert_close(converted["net"], model.state_dict(), atol=0, rtol=0)
+    torch.testing.assert_close(converted["opt"]["state"], by_name["state"], atol=0, rtol=0)
