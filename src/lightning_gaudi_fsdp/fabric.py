@@ -220,16 +220,16 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         fmt = self._state_dict_type
         _check_filter(filter, state, fmt)
-        device_type = self.root_device.type
-        path = Path(self.broadcast(str(path)))
-        model_key, model = _find_model(state)
-        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         clash = [key for key in state if key in views.reserved_keys()]
         if clash:
             raise ValueError(
                 f"state keys {clash} are reserved for the checkpoint's bookkeeping; rename them (reserved: "
                 f"{list(views.reserved_keys())})"
             )
+        device_type = self.root_device.type
+        path = Path(self.broadcast(str(path)))
+        model_key, model = _find_model(state)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         keep = _filtered(filter or {})
         # Streamed (each tensor received on rank 0 as it is written) unless a filter reads the state first.
         stream = _checkpoints.full_stream(self) if filter is None else None

@@ -112,7 +112,7 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     strategy = {**_strategy(engine, fmt), "async_save": background}
     common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
     writes = {"slow_writes": 1.0, "slow_copies": 0.5} if background else {}
-    if fmt == "full" and not background:  # beside it, the same state in Lightning's own Fabric layout
+    if fmt != "local" and not background:  # beside it, the same state in Lightning's own Fabric layout
         writes["lightning_layout"] = str(tmp_path / "lightning.ckpt")
     straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
     resumed = scenario({**common, "load": str(ckpt), "raw_checks": not background}, script=FABRIC)
@@ -144,15 +144,21 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     assert info["final_state"] == {"epoch": 2, "global_step": 6}
     if not background:
         _assert_load_raw_and_filter(resumed, ckpt, fmt)
-    if fmt == "full" and not background:
+    if fmt != "local" and not background:
         _assert_lightning_layout_resumes(scenario, common, straight, tmp_path / "lightning.ckpt")
 
 
 def _assert_lightning_layout_resumes(scenario, common: dict, straight, lightning_ckpt) -> None:
-    """A checkpoint in the layout Lightning's own Fabric FSDPStrategy writes (made by the straight run beside its own
-    save, by hand from Lightning's source: see fabric_loop.save_lightning_layout) loads with fabric.load into this
-    package's strategy and training continues exactly as the uninterrupted run."""
-    assert lightning_ckpt.is_file()
+    """A checkpoint in the layout Lightning's own Fabric writes (made by the straight run beside its own save: sharded
+    by Lightning's code, full as its source builds it; see fabric_loop.save_lightning_layout) loads with fabric.load
+    into this package's strategy and training continues exactly as the uninterrupted run."""
+    assert describe(lightning_ckpt)["layout"] == "fabric"
+    if lightning_ckpt.is_dir():  # sharded: DCP keys of the state, the other entries in meta.pt, nothing of ours
+        from torch.distributed.checkpoint import FileSystemReader
+
+        entries = FileSystemReader(str(lightning_ckpt)).read_metadata().state_dict_metadata
+        assert {key.split(".", 1)[0] for key in entries} == {"model", "optimizer"}
+        assert set(torch.load(lightning_ckpt / "meta.pt", weights_only=True)) == {"scheduler", "epoch", "global_step"}
     resumed = scenario({**common, "load": str(lightning_ckpt)}, script=FABRIC)
     a, b = straight.final(), resumed.final()
     _assert_equal_nested(b["weights"], a["weights"], "weights")

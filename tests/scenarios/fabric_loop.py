@@ -12,10 +12,9 @@ with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1
 checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
 seconds late), ``exit_normally`` (end after training without teardown or
 ``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON), ``lightning_layout`` (beside ``save``, rank 0 also writes this
-file in the layout Lightning's own Fabric ``FSDPStrategy`` writes for ``state_dict_type="full"``, built from its source
-without this package's save: each entry of ``state`` under its key, the model as its full state dict, the optimizer as
-``FSDP.optim_state_dict``'s full form, keyed by parameter name).
+round trips; results under ``raw`` in the rank's JSON), ``lightning_layout`` (beside ``save``, the same state is
+also saved there in the layout Lightning's own Fabric writes, without this package's save: see
+``save_lightning_layout``).
 """
 
 from __future__ import annotations
@@ -142,14 +141,28 @@ def raw_checks(
     return seen
 
 
-def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str, Any], rank: int) -> None:
-    """What ``lightning.fabric.strategies.FSDPStrategy.save_checkpoint`` writes with ``state_dict_type="full"``:
-    ``full_state[key]`` for each entry of ``state`` (a module as its full state dict, an optimizer as
-    ``FSDP.optim_state_dict`` under a full state-dict context, i.e. keyed by parameter name, anything else as given or
-    its ``state_dict()``), then ``torch.save(full_state, path)`` on rank 0."""
+def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str, Any], fabric: L.Fabric) -> None:
+    """``state`` saved to ``path`` in the layout Lightning's own Fabric writes, for this strategy's
+    ``state_dict_type``. Sharded: by Lightning's own code, run on this strategy's model (FSDP1:
+    ``lightning.fabric.strategies.FSDPStrategy.save_checkpoint``; FSDP2: ``ModelParallelStrategy``'s
+    ``_save_checkpoint``): the model and optimizer in DCP under their keys, the other entries in ``meta.pt``. Full: as
+    ``FSDPStrategy.save_checkpoint`` builds it (its own call would offload a full state dict on CPU, which crashes
+    torch 2.13): ``full_state[key]`` for each entry (a module as its full state dict, an optimizer as
+    ``FSDP.optim_state_dict`` under a full context, i.e. keyed by parameter name, anything else as given or its
+    ``state_dict()``), ``torch.save`` on rank 0."""
+    from lightning.fabric.strategies import FSDPStrategy
+    from lightning.fabric.strategies.model_parallel import _save_checkpoint
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
 
+    strategy, rank = fabric.strategy, fabric.global_rank
+    unwrapped = {k: v._forward_module if v is model else v.optimizer if v is optimizer else v for k, v in state.items()}
+    if strategy._state_dict_type == "sharded" and strategy._fsdp_version == 1:
+        FSDPStrategy.save_checkpoint(strategy, path, unwrapped)
+        return
+    if strategy._state_dict_type == "sharded":
+        _save_checkpoint(Path(path), unwrapped, full_state_dict=False, rank=rank)
+        return
     weights = formats.model_state_dict(model._forward_module, "full", device_type(model))
     by_id = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
     if rank != 0:
@@ -288,7 +301,7 @@ def main() -> None:
             started = time.monotonic()
             fabric.save(cfg["save"], state)
             if cfg.get("lightning_layout"):
-                save_lightning_layout(cfg["lightning_layout"], model, optimizer, state, rank)
+                save_lightning_layout(cfg["lightning_layout"], model, optimizer, state, fabric)
             background = fabric.strategy._background
             info["save"] = {
                 "seconds": time.monotonic() - started,

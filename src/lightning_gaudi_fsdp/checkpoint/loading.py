@@ -252,7 +252,7 @@ def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: boo
     checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
     if isinstance(checkpoint, dict) and {"state", "param_groups"} <= set(checkpoint):
         return checkpoint
-    checkpoint = file_view(checkpoint, path, raw=True)
+    checkpoint = internal_view(checkpoint, path, raw=True)
     if "optimizer_states" in checkpoint:
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
