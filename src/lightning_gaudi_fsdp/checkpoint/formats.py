@@ -1,11 +1,14 @@
 """Full, sharded and local state-dict checkpoints of an FSDP model: detect, check, save and load.
 
-- ``full``: one ``torch.save`` file in Lightning's standard layout. Model weights are gathered on rank 0 under
-  ``state_dict`` (plain names, no FSDP prefixes) and optimizer state is in torch's standard per-parameter-id form, so a
-  plain PyTorch/Lightning program loads it without FSDP. Given a :class:`~.streaming.FullStream`, rank 0 writes each
-  tensor as it arrives instead of gathering the whole state first (see :mod:`.streaming`).
+- ``full``: one ``torch.save`` file in the layout of the door that wrote it (see :mod:`.views`). Model weights are
+  gathered on rank 0 (plain names, no FSDP prefixes) under ``state_dict`` (the Trainer's layout, optimizer state in
+  torch's standard per-parameter-id form) or under the model's key of Fabric's ``state`` (Fabric's layout, optimizer
+  state keyed by parameter name), so a plain PyTorch/Lightning program loads it without FSDP. Given a
+  :class:`~.streaming.FullStream`, rank 0 writes each tensor as it arrives instead of gathering the whole state first
+  (see :mod:`.streaming`).
 - ``sharded``: a directory in Lightning's distributed-checkpoint layout (torch DCP files plus ``meta.pt`` holding
-  everything that is not a model or optimizer tensor). It loads at any world size.
+  everything that is not a model or optimizer tensor; DCP keys ``model``/``optimizer_<i>``, or in Fabric's layout the
+  keys of ``state``). It loads at any world size.
 - ``local``: a directory with one ``rank_NNNNN.pt`` per rank (that rank's slice of every flat parameter and its raw
   optimizer state), ``trainer_state.pt`` and ``local_metadata.json`` (world size, sharding strategy, wrap and
   flat-parameter layout, versions). Fastest to write; loads only at the same world size and wrapping.
