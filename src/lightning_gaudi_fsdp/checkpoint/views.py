@@ -30,6 +30,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
+    WORLD_SIZE_KEY,
     CheckpointError,
     optimizer_state_by_name,
 )
@@ -39,7 +40,8 @@ DCP_KEYS = "gaudi_fsdp_dcp_keys"  # internal view of a sharded checkpoint: the m
 VERSION_KEY = "pytorch-lightning_version"  # the Trainer refuses a checkpoint without it
 TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", VERSION_KEY)
 _HF_KEY = "gaudi_fsdp_hf_model"  # hf_export.HF_KEY (not imported: hf_export imports transformers' names lazily)
-_BOOKKEEPING = (ENGINE_KEY, _HF_KEY, OPTIMIZER_GROUPS_KEY)  # under BOOK_KEY in Fabric's layout, at the top in the view
+# under BOOK_KEY in Fabric's layout, at the top in the view
+_BOOKKEEPING = (ENGINE_KEY, _HF_KEY, OPTIMIZER_GROUPS_KEY, WORLD_SIZE_KEY)
 INTERNAL_KEYS = (*TRAINER_KEYS, *_BOOKKEEPING, PARAM_ID_NAMES_KEY, FABRIC_KEYS, DCP_KEYS)
 
 
