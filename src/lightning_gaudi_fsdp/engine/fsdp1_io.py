@@ -19,6 +19,7 @@ from lightning_gaudi_fsdp.checkpoint import loading
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import storage_reader
+from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key
 from lightning_gaudi_fsdp.engine import fsdp1_state
 
 if TYPE_CHECKING:
@@ -260,15 +261,16 @@ def _load_sharded(
 
     path = pending.path
     with state_dict_context(model, "sharded", device_type):
-        state = {"model": pending.model_state}
+        model_key = dcp_model_key(pending.rest)
+        state = {model_key: pending.model_state}
         dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        model.load_state_dict(state["model"], strict=strict)
+        model.load_state_dict(state[model_key], strict=strict)
         if not load_optimizers:
             return
         reader = storage_reader(path, weights_only=pending.weights_only)
 
         def load_one(key: str, optimizer: Optimizer) -> None:
-            loaded = load_sharded_optimizer_state_dict(state["model"], key, reader)[key]
+            loaded = load_sharded_optimizer_state_dict(state[model_key], key, reader)[key]
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, loaded))
 
         loading.for_each_sharded_optimizer(pending, optimizers, load_one)

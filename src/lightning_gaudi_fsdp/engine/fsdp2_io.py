@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp.checkpoint import loading
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat
 from lightning_gaudi_fsdp.checkpoint.trust import storage_reader
+from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key
 from lightning_gaudi_fsdp.engine import fsdp2_state
 
 
@@ -55,9 +56,10 @@ def apply_load(
     elif pending.fmt == "sharded":
         import torch.distributed.checkpoint as dcp
 
-        state = {"model": pending.model_state}
+        key = dcp_model_key(pending.rest)
+        state = {key: pending.model_state}
         dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        fsdp2_state.load_sharded(model, state["model"], strict)
+        fsdp2_state.load_sharded(model, state[key], strict)
     else:
         fsdp2_state.load_local(model, pending.model_state)
     if not load_optimizers:
