@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_gaudi_fsdp import _liveness, options
+from lightning_gaudi_fsdp import _liveness, module_options, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import base as engine
 
@@ -81,7 +81,7 @@ def resolve(
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
     LightningCLI reads; a test keeps the two equal)."""
     sharding = options.resolve_sharding_strategy(sharding_strategy)
-    wrap_policy = options.resolve_auto_wrap_policy(auto_wrap_policy)
+    wrap_policy = module_options.resolve_auto_wrap_policy(auto_wrap_policy)
     mesh = options.resolve_device_mesh(device_mesh)
     options.check_hybrid_requirements(sharding, wrap_policy, process_group, mesh)
     state_dict_type = options.resolve_state_dict_type(state_dict_type)
@@ -112,7 +112,7 @@ def resolve(
         "device_mesh": mesh,
         "process_group": process_group,
         "backward_prefetch": prefetch,
-        "param_init_fn": options.resolve_callable(param_init_fn, "param_init_fn"),
+        "param_init_fn": module_options.resolve_callable(param_init_fn, "param_init_fn"),
         "sync_module_states": options.resolve_bool(sync_module_states, "sync_module_states"),
         "forward_prefetch": options.resolve_bool(forward_prefetch, "forward_prefetch"),
         "limit_all_gathers": limit,
@@ -129,8 +129,8 @@ def resolve(
             "sync_module_states=True and pretrained_weights cannot be combined: every rank reads its own shards from "
             "the file, there is no rank 0 model to broadcast"
         )
-    ignored_modules = options.resolve_names_list(ignored_modules, "ignored_modules")
-    ignored_states = options.resolve_names_list(ignored_states, "ignored_states")
+    ignored_modules = module_options.resolve_names_list(ignored_modules, "ignored_modules")
+    ignored_states = module_options.resolve_names_list(ignored_states, "ignored_states")
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("ignored_modules and ignored_states are mutually exclusive; pass only one of them")
     return Resolved(
@@ -143,7 +143,7 @@ def resolve(
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
         device_id=options.resolve_device_id(device_id),
-        activation_checkpointing_kwargs=options.resolve_activation_checkpointing_policy(
+        activation_checkpointing_kwargs=module_options.resolve_activation_checkpointing_policy(
             activation_checkpointing_policy
         ),
         compile_kwargs=options.resolve_compile(compile),

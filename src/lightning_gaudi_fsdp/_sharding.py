@@ -13,7 +13,7 @@ import torch.distributed
 from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
-from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp import _report, gaudi, module_options
 from lightning_gaudi_fsdp._platform import gather_objects
 from lightning_gaudi_fsdp.checkpoint import pretrained
 
@@ -43,9 +43,11 @@ def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
 def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if door._config.ignored_modules is not None:
-        kwargs["ignored_modules"] = options.resolve_submodules(module, door._config.ignored_modules, "ignored_modules")
+        kwargs["ignored_modules"] = module_options.resolve_submodules(
+            module, door._config.ignored_modules, "ignored_modules"
+        )
     if door._config.ignored_states is not None:
-        kwargs["ignored_states"] = options.resolve_submodules(
+        kwargs["ignored_states"] = module_options.resolve_submodules(
             module, door._config.ignored_states, "ignored_states", allow_parameters=True
         )
     return kwargs
