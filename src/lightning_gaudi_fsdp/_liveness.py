@@ -360,7 +360,7 @@ class Heartbeat:
         waits for its own acknowledgements."""
         with self._acks_lock:
             run = self._run
-            count = store.add(_key("errors", "count", run), 0)
+            count = store.add(_key("errors", "published", run), 0)
             if count == self._errors_seen:
                 return
             self._errors_seen = count
@@ -570,9 +570,12 @@ def _dump_stacks(header: str) -> None:
 
 def _record_error(store: Any, rank: int, run: str, text: str, peer_failure: bool) -> int:
     """Record ``rank``'s error, numbered in the order errors reach the store; ``peer_failure``: a collective failing
-    because of another rank, not an error of its own. Returns its number."""
+    because of another rank, not an error of its own. Returns its number. Readers watch the ``published`` count, bumped
+    once the record is readable: a reader that saw the number taken before the record was written would otherwise
+    count it as seen and never read it."""
     order = store.add(_key("errors", "count", run), 1)
     store.set(_key("error", rank, run), f"{order}\n{int(peer_failure)}\n{text}")
+    store.add(_key("errors", "published", run), 1)
     return order
 
 
