@@ -1,10 +1,13 @@
 """Nothing the package started outlives the interpreter.
 
-A thread still inside torch's C++ code when Python shuts down ends a finished script with ``terminate called without
-an active exception`` (SIGABRT, exit code 134): a Python thread blocked in a call that released the GIL (a store
-request, a gloo collective) is ended by the interpreter's finalization in the middle of C++ code, and gloo's own
-threads of a process group nobody destroyed are torn down only by the C++ runtime's exit. torch asks every
-distributed script to call ``destroy_process_group()`` at its end; Lightning does not, and plain scripts seldom do.
+A thread that takes the GIL from inside torch's C++ code after Python began shutting down is ended there by the
+interpreter (``pthread_exit`` unwinding through a ``noexcept`` frame), and the finished script dies with ``terminate
+called without an active exception`` (SIGABRT, exit code 134). Two such threads: a gloo worker of a process group
+nobody destroyed, which frees its last collective's tensors (their Python objects: the GIL) while the main thread
+finalizes (seen in a core dump on torch 2.14.1: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+``gil_scoped_acquire`` -> ``PyThread_exit_thread``), and a Python daemon thread returning from a store request (the
+heartbeat). torch asks every distributed script to call ``destroy_process_group()`` at its end (it joins gloo's
+workers); Lightning does not, and plain scripts seldom do.
 
 So what the package starts registers its ``close`` here: the liveness heartbeat (stopped at each door's
 ``teardown`` too), the background saver's process group, and the default process group when one of the doors created
