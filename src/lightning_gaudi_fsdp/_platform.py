@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from lightning_gaudi_fsdp import _liveness, gaudi
+from lightning_gaudi_fsdp import _exit, _liveness, gaudi
 
 
 class GaudiPlatform:
@@ -48,6 +48,7 @@ class GaudiPlatform:
 
     def setup_environment(self) -> None:
         before_process_group(self)
+        existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
         with _liveness.bounded_rendezvous(
             self._config.failure_timeout,  # type: ignore[attr-defined]
@@ -55,6 +56,8 @@ class GaudiPlatform:
             lambda: launched_pids(self),
         ):
             super().setup_environment()  # type: ignore[misc]
+            if not existed and torch.distributed.is_initialized():
+                _exit.created_default_group()  # destroyed at interpreter exit unless the script does it
             after_process_group(self)
 
     @classmethod
