@@ -520,6 +520,56 @@ class KillAt(Callback):
         self._here(trainer, "validation")
 
 
+class SignalAt(Callback):
+    """``sigterm: {"step", "to", "delay", "slow_disk"}``: ``delay`` seconds after training step ``step`` ended (so
+    during a later step), a real SIGTERM from a timer thread: ``to="rank1"`` (that rank to itself), ``"all"`` (each rank
+    to itself), ``"launcher"`` (rank 0 to the process that launched the job: itself under Lightning's launcher,
+    torchrun's agent under torchrun). The monotonic time of each signal goes to ``signalled<rank>.json``.
+    ``slow_disk``: from then on every checkpoint write first sleeps that many seconds."""
+
+    def __init__(self, step: int, to: str, out: Path, delay: float = 0.0, slow_disk: float = 0.0) -> None:
+        self.step, self.to, self.out, self.delay, self.slow_disk = step, to, out, delay, slow_disk
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        import signal
+        import threading
+
+        if trainer.global_step != self.step:
+            return
+        rank = trainer.global_rank
+        if self.to == "all" or (self.to == "rank1" and rank == 1):
+            target = os.getpid()
+        elif self.to == "launcher" and rank == 0:
+            target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+        else:
+            return
+        if self.slow_disk:
+            arm_slow_disk(self.slow_disk)
+
+        def send() -> None:
+            write_json(self.out, f"signalled{rank}.json", {"at": time.monotonic(), "pid": target})
+            os.kill(target, signal.SIGTERM)
+
+        threading.Timer(self.delay, send).start()
+
+
+def arm_slow_disk(seconds: float) -> None:
+    """Every checkpoint write from now on first sleeps ``seconds`` (a disk too slow for the grace period)."""
+    from lightning_gaudi_fsdp import _compat
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+    def slowed(real: Any) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return real(*args, **kwargs)
+
+        return write
+
+    formats.save_file = slowed(formats.save_file)
+    _compat.dcp_save = slowed(_compat.dcp_save)
+    FullStream.write = slowed(FullStream.write)  # type: ignore[method-assign]
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
@@ -553,6 +603,8 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if kill_at is not None:
         callbacks.append(kill_at)
+    if cfg.get("sigterm"):
+        callbacks.append(SignalAt(**cfg["sigterm"], out=out))
     if cfg.get("hook_reads_checkpoint"):
         callbacks.append(SeesCheckpoint(out))
     if cfg.get("failed_build_then_direct_save"):
