@@ -109,8 +109,9 @@ class Preemption:
         signal and is still here (training ended first, or teardown) leaves now."""
         if self._thread is None:
             return
-        if self.flagged:
-            self._leave(f"after its last training step{self._at_step()}; nothing left to save")
+        if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
+            ended = f"training ended at step {self.step} before the save point; nothing saved"
+            self._leave(self._unsaved() if self.saving is not None else ended)
         self._stop.set()
         self._thread.join(timeout=2 * _POLL_S + 1)
         self._thread = None
@@ -152,7 +153,7 @@ class Preemption:
         """After the save point's checkpoint committed on every rank: say so and leave (once every rank said so,
         briefly: under Lightning's launcher the others are ended with the launching rank)."""
         rank, world_size = self.who()
-        self._say(f"saved step {self.step} to {path}; resume with Trainer.fit(ckpt_path='last') or load that path")
+        self._say(f"saved step {self.step} to {path}")
         store = self._store
         if store is not None and world_size > 1:
             with contextlib.suppress(Exception):
@@ -219,17 +220,7 @@ class Preemption:
     def _progress(self) -> None:
         """Once flagged: leave at once before training; agree on the save point during it; leave at the deadline."""
         if time.monotonic() >= self._deadline:
-            if self.saving is not None:
-                reason = (
-                    f"saving step {self.step} to {self.saving} did not finish within preemption_grace="
-                    f"{self.grace_s:g} s; nothing of it is visible and the previous checkpoint there is intact"
-                )
-            else:
-                reason = (
-                    f"the save point (step boundary {self.stop_at}) was not reached within preemption_grace="
-                    f"{self.grace_s:g} s (at step {self.step}); nothing was saved"
-                )
-            self._leave(reason)
+            self._leave(self._unsaved())
         if self.phase == "setup":
             self._publish(_SETUP)
             self._leave("before training started; nothing to save")
@@ -265,8 +256,16 @@ class Preemption:
     def _key(self, kind: str, rank: int | None = None) -> str:
         return f"{_PREFIX}/{self._run}/{kind}" + ("" if rank is None else f"/{rank}")
 
-    def _at_step(self) -> str:
-        return "" if self.step is None else f" (step {self.step})"
+    def _unsaved(self) -> str:
+        if self.saving is not None:
+            return (
+                f"saving step {self.step} to {self.saving} did not finish within preemption_grace={self.grace_s:g} s; "
+                "nothing of it is visible and the previous checkpoint there is intact"
+            )
+        return (
+            f"training did not reach the save point (step boundary {self.stop_at}) within preemption_grace="
+            f"{self.grace_s:g} s; it stopped at step {self.step}; nothing was saved"
+        )
 
     def _say(self, what: str) -> None:
         rank, world_size = self.who()

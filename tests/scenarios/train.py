@@ -531,26 +531,29 @@ class SignalAt(Callback):
         self.step, self.to, self.out, self.delay, self.slow_disk = step, to, out, delay, slow_disk
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        import signal
-        import threading
+        if trainer.global_step == self.step:
+            sigterm_later(self.to, trainer.global_rank, self.out, self.delay, self.slow_disk)
 
-        if trainer.global_step != self.step:
-            return
-        rank = trainer.global_rank
-        if self.to == "all" or (self.to == "rank1" and rank == 1):
-            target = os.getpid()
-        elif self.to == "launcher" and rank == 0:
-            target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-        else:
-            return
-        if self.slow_disk:
-            arm_slow_disk(self.slow_disk)
 
-        def send() -> None:
-            write_json(self.out, f"signalled{rank}.json", {"at": time.monotonic(), "pid": target})
-            os.kill(target, signal.SIGTERM)
+def sigterm_later(to: str, rank: int, out: Path, delay: float, slow_disk: float = 0.0) -> None:
+    """See :class:`SignalAt`; called on every rank."""
+    import signal
+    import threading
 
-        threading.Timer(self.delay, send).start()
+    if to == "all" or (to == "rank1" and rank == 1):
+        target = os.getpid()
+    elif to == "launcher" and rank == 0:
+        target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    else:
+        return
+    if slow_disk:
+        arm_slow_disk(slow_disk)
+
+    def send() -> None:
+        write_json(out, f"signalled{rank}.json", {"at": time.monotonic(), "pid": target})
+        os.kill(target, signal.SIGTERM)
+
+    threading.Timer(delay, send).start()
 
 
 def arm_slow_disk(seconds: float) -> None:
