@@ -109,6 +109,9 @@ class Preemption:
         signal and is still here (training ended first, or teardown) leaves now."""
         if self._thread is None:
             return
+        if not self.flagged:  # a last look: a rank signalled while this one finished its last step
+            with contextlib.suppress(Exception):
+                self._notice()
         if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
             ended = f"training ended at step {self.step} before the save point; nothing saved"
             self._leave(self._unsaved() if self.saving is not None else ended)
@@ -178,7 +181,13 @@ class Preemption:
                 else:
                     self._stop.wait(_POLL_S)
                 if not self._signal:
-                    self._notice()
+                    try:
+                        self._notice()
+                    except Exception as err:  # noqa: BLE001 - the store is gone or stalled: go on without it
+                        if self._store is None:
+                            raise
+                        log.warning(f"lightning_gaudi_fsdp: preemption watcher lost the rendezvous store ({err})")
+                        self._store = None
                 if self.flagged:
                     self._progress()
         except Exception as err:  # noqa: BLE001 - a watcher that fails must not leave a rank waiting at a boundary
@@ -190,6 +199,9 @@ class Preemption:
         """Learn of a signal: received here (count it in the store), or counted there by another rank."""
         rank, world_size = self.who()
         store = self._store
+        if self._received is not None and store is None and world_size > 1:
+            self._signal = f"{signal.Signals(self._received).name} (received by rank {rank})"
+            self._leave("the other ranks cannot be told (no rendezvous store); nothing saved")
         if self._received is not None:
             name = signal.Signals(self._received).name
             first, sent_at = f"{name} (received by rank {rank})", time.time()
@@ -223,7 +235,10 @@ class Preemption:
             self._leave(self._unsaved())
         if self.phase == "setup":
             self._publish(_SETUP)
-            self._leave("before training started; nothing to save")
+            self._leave(
+                "before its first step boundary (training not started, or a Fabric loop that does not read "
+                "strategy.preempted); nothing saved"
+            )
         if self.phase != "training" or self._decided.is_set():
             return
         if not self._published:

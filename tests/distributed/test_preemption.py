@@ -159,6 +159,45 @@ def test_a_disk_too_slow_for_the_grace_period_keeps_the_previous_checkpoint_and_
     assert sorted(p.name for p in dirpath.iterdir() if not p.name.startswith(".")) == ["last.ckpt"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["setup", "validation", "save", "teardown"])
+def test_sigterm_outside_a_training_step_ends_every_rank_in_time_losing_nothing(scenario, tmp_path, phase):
+    """In setup there is nothing to save: every rank leaves at once. During validation, or during a save already
+    running, the next training step is saved. After the last step, every rank leaves from teardown."""
+    root = tmp_path / "root"
+    delay = 0 if phase == "teardown" else 0.05  # after the last step, at once: fit is about to return
+    cfg = _cfg(_strategy("sharded", 1), root, sigterm={"phase": phase, "to": "rank1", "delay": delay})
+    if phase == "validation":
+        cfg["trainer"].update(limit_val_batches=4, val_check_interval=2)
+    if phase == "save":  # ModelCheckpoint saves every second step, each write taking 2 s; the signal comes during one
+        cfg.update(slow_writes=2, model_checkpoint={"dirpath": str(root / "checkpoints"), "every_n_train_steps": 2})
+        cfg["sigterm"] = {"step": 2, "to": "rank1", "delay": 0.5}
+    run = scenario(cfg, expect_ok=False)
+    gone_after = time.monotonic() - _signalled_at(run.out)
+    assert run.proc.returncode in ((EXIT_CODE, 1) if phase == "teardown" else (EXIT_CODE,)), run.proc.stderr[-6000:]
+    assert gone_after < GRACE_S
+    ckpt = root / "checkpoints" / "last.ckpt"
+    if phase in ("validation", "save"):
+        step = _check_preempted(run.proc.stderr, ckpt, gone_after, "1")
+        # validation follows step 2 (the next step is saved); the save of step 2 runs before its boundary (saved)
+        assert step >= (3 if phase == "validation" else 2)
+        return
+    said = {
+        "setup": "before its first step boundary (training not started, or a Fabric loop that does not read "
+        "strategy.preempted); nothing saved",
+        "teardown": "training ended at step 8 before the save point; nothing saved",
+    }[phase]
+    # after the last step, rank 0 may have finished fit before the signal came: it then fails at the script's own
+    # next collective, with rank 1 gone
+    for rank in (0, 1) if phase == "setup" else (1,):
+        assert re.search(
+            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): {re.escape(said)}; "
+            rf"leaving with exit code {EXIT_CODE}",
+            run.proc.stderr,
+        ), run.proc.stderr[-6000:]
+    assert not ckpt.exists()  # setup: nothing trained; teardown: this run's own checkpointing saved no last.ckpt
+
+
 def test_fabric_loop_saves_when_preempted_reads_true_on_every_rank(scenario, tmp_path):
     """Fabric: the loop reads ``fabric.strategy.preempted`` each step and saves when it is True (the same step on
     every rank); ``fabric.save`` commits and every rank leaves."""

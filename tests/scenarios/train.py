@@ -525,14 +525,31 @@ class SignalAt(Callback):
     during a later step), a real SIGTERM from a timer thread: ``to="rank1"`` (that rank to itself), ``"all"`` (each rank
     to itself), ``"launcher"`` (rank 0 to the process that launched the job: itself under Lightning's launcher,
     torchrun's agent under torchrun). The monotonic time of each signal goes to ``signalled<rank>.json``.
-    ``slow_disk``: from then on every checkpoint write first sleeps that many seconds."""
+    ``slow_disk``: from then on every checkpoint write first sleeps that many seconds. ``phase``: instead of after a
+    step, in the ``setup`` hook, at the first validation batch (``validation``) or at ``on_train_end`` (``teardown``)."""
 
-    def __init__(self, step: int, to: str, out: Path, delay: float = 0.0, slow_disk: float = 0.0) -> None:
-        self.step, self.to, self.out, self.delay, self.slow_disk = step, to, out, delay, slow_disk
+    def __init__(
+        self, out: Path, step: int = 0, to: str = "rank1", delay: float = 0.0, slow_disk: float = 0.0, phase: str = ""
+    ) -> None:
+        self.step, self.to, self.out, self.delay, self.slow_disk, self.phase = step, to, out, delay, slow_disk, phase
+
+    def _send(self, trainer: L.Trainer, phase: str) -> None:
+        if phase == self.phase:
+            self.phase = "sent"
+            sigterm_later(self.to, trainer.global_rank, self.out, self.delay, self.slow_disk)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
-            sigterm_later(self.to, trainer.global_rank, self.out, self.delay, self.slow_disk)
+            self._send(trainer, "")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._send(trainer, "setup")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._send(trainer, "validation")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._send(trainer, "teardown")
 
 
 def sigterm_later(to: str, rank: int, out: Path, delay: float, slow_disk: float = 0.0) -> None:
@@ -553,7 +570,10 @@ def sigterm_later(to: str, rank: int, out: Path, delay: float, slow_disk: float 
         write_json(out, f"signalled{rank}.json", {"at": time.monotonic(), "pid": target})
         os.kill(target, signal.SIGTERM)
 
-    threading.Timer(delay, send).start()
+    if delay:
+        threading.Timer(delay, send).start()
+    else:
+        send()
 
 
 def arm_slow_disk(seconds: float) -> None:
