@@ -46,6 +46,7 @@ _MARGIN_S = 1.0  # left of the grace period for the process to end once the watc
 _POLL_S = 0.1  # how often a watcher reads the store's counter of signals
 _PREFIX = "lightning_gaudi_fsdp/preemption"
 _SETUP = "setup"  # a rank that left before training started publishes this instead of a count
+_ANSWER_S = 3.0  # a rank's watcher publishes its count within a poll of the signal: one silent this long is gone
 
 
 class Preemption:
@@ -72,6 +73,7 @@ class Preemption:
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
         self._published = False
+        self._published_at = 0.0
 
     # ---------------------------------------------------------------------------------------------- installation
     def start(self, store: Any) -> None:
@@ -253,6 +255,13 @@ class Preemption:
                 left = [r for r in range(world_size) if store.check([keys[r]]) and store.get(keys[r]) == b"setup"]
                 if left:
                     self._leave(f"rank {left[0]} left before training started; nothing to save")
+                if time.monotonic() > self._published_at + _ANSWER_S:
+                    # e.g. torchrun stopping the survivors of a lost worker with SIGTERM: no save can complete
+                    silent = [r for r in range(world_size) if not store.check([keys[r]])]
+                    self._leave(
+                        f"rank(s) {', '.join(map(str, silent))} did not answer within {_ANSWER_S:g} s (gone?); a save "
+                        f"needs every rank; it stopped at step {self.step}; nothing saved"
+                    )
                 return
             counts = [store.get(key).decode() for key in keys]
         if _SETUP in counts:
@@ -262,6 +271,7 @@ class Preemption:
 
     def _publish(self, value: str) -> None:
         self._published = True
+        self._published_at = time.monotonic()
         rank, world_size = self.who()
         if self._store is not None and world_size > 1:
             with contextlib.suppress(Exception):

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from distributed import test_resume
 from distributed.test_failure_matrix import run_job
-from distributed.test_resume import _assert_same_run, uninterrupted  # noqa: F401  (fixture)
 from lightning_gaudi_fsdp.checkpoint import convert
+
+uninterrupted = test_resume.uninterrupted  # the fixture: 8 steps without stopping, once per configuration
+_assert_same_run = test_resume._assert_same_run
 
 BLOCK = "common.Block"
 GRACE_S = 20  # the preemption_grace of these runs (the default is 25)

@@ -12,8 +12,8 @@ with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1
 checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
 seconds late), ``exit_normally`` (end after training without teardown or
 ``os._exit``), ``preempt`` ({step, to, delay, path}: a SIGTERM as ``train.SignalAt`` sends it; the loop saves to
-``path`` when ``fabric.strategy.preempted``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON).
+``path`` when ``fabric.strategy.preempted``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full
+format, ``fabric.save(filter=...)`` round trips; results under ``raw`` in the rank's JSON).
 """
 
 from __future__ import annotations

@@ -526,7 +526,8 @@ class SignalAt(Callback):
     to itself), ``"launcher"`` (rank 0 to the process that launched the job: itself under Lightning's launcher,
     torchrun's agent under torchrun). The monotonic time of each signal goes to ``signalled<rank>.json``.
     ``slow_disk``: from then on every checkpoint write first sleeps that many seconds. ``phase``: instead of after a
-    step, in the ``setup`` hook, at the first validation batch (``validation``) or at ``on_train_end`` (``teardown``)."""
+    step, in the ``setup`` hook, at the first validation batch (``validation``) or at ``on_train_end``
+    (``teardown``)."""
 
     def __init__(
         self, out: Path, step: int = 0, to: str = "rank1", delay: float = 0.0, slow_disk: float = 0.0, phase: str = ""
