@@ -74,6 +74,7 @@ class Preemption:
         self._thread: threading.Thread | None = None
         self._published = False
         self._published_at = 0.0
+        self._leaving = threading.Lock()
 
     # ---------------------------------------------------------------------------------------------- installation
     def start(self, store: Any) -> None:
@@ -96,6 +97,7 @@ class Preemption:
             writer.close()
         elif previous == -1:
             self._wake = (reader, writer)
+            self._previous_wakeup = previous
         self._previous_handler = signal.signal(signal.SIGTERM, self._handle)
         self._thread = threading.Thread(target=self._watch, name="lgf-preemption", daemon=True)
         self._thread.start()
@@ -111,14 +113,14 @@ class Preemption:
         signal and is still here (training ended first, or teardown) leaves now."""
         if self._thread is None:
             return
+        self._stop.set()
+        self._thread.join(timeout=2 * _POLL_S + 1)
         if not self.flagged:  # a last look: a rank signalled while this one finished its last step
             with contextlib.suppress(Exception):
                 self._notice()
         if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
             ended = f"training ended at step {self.step} before the save point; nothing saved"
             self._leave(self._unsaved() if self.saving is not None else ended)
-        self._stop.set()
-        self._thread.join(timeout=2 * _POLL_S + 1)
         self._thread = None
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == self._handle:
@@ -158,6 +160,7 @@ class Preemption:
         """After the save point's checkpoint committed on every rank: say so and leave (once every rank said so,
         briefly: under Lightning's launcher the others are ended with the launching rank)."""
         rank, world_size = self.who()
+        self._leaving.acquire()  # the deadline, from now on, would only repeat what is said here
         self._say(f"saved step {self.step} to {path}")
         store = self._store
         if store is not None and world_size > 1:
@@ -229,6 +232,10 @@ class Preemption:
         elapsed = min(max(time.time() - sent_at, 0.0), self.grace_s)
         self._deadline = time.monotonic() + self.grace_s - elapsed - _MARGIN_S
         self._signal = what
+        # Whatever the threads are doing then (a store that stopped answering included), the rank leaves in time.
+        timer = threading.Timer(max(self._deadline - time.monotonic(), 0.0), lambda: self._leave(self._unsaved()))
+        timer.daemon = True
+        timer.start()
         self.flagged = True  # before the count below is read: the main thread reads them in the other order
 
     def _progress(self) -> None:
@@ -301,6 +308,7 @@ class Preemption:
         )
 
     def _leave(self, what: str) -> None:
+        self._leaving.acquire()  # once: a second thread leaving waits here until the first ends the process
         self._say(what)
         _exit(EXIT_CODE)
 
