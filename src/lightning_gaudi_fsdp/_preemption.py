@@ -355,12 +355,13 @@ def stop(door: Any) -> None:
         watcher.stop()
 
 
-def start_training(door: Any, trainer: Any) -> None:
+def start_training(door: Any) -> None:
     """The Trainer's ``on_train_start``: step boundaries count from here, at the end of each training batch that
     stepped the optimizers, where :class:`_SaveAtPreemption` (added last to the callbacks) saves."""
     watcher = door._preempt
     if watcher is None:
         return
+    trainer = door.lightning_module.trainer
     watcher.take_over()
     saver = next((cb for cb in trainer.callbacks if isinstance(cb, _SaveAtPreemption)), None)
     if saver is None:

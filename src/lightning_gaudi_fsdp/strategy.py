@@ -432,7 +432,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        _preemption.start_training(self, self.lightning_module.trainer)
+        _preemption.start_training(self)
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
 
