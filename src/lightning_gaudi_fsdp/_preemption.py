@@ -46,6 +46,9 @@ _MARGIN_S = 1.0  # left of the grace period for the process to end once the watc
 _POLL_S = 0.1  # how often a watcher reads the store's counter of signals
 _PREFIX = "lightning_gaudi_fsdp/preemption"
 _SETUP = "setup"  # a rank that left before training started publishes this instead of a count
+_ENDED = "ended"  # ... and one whose training ended (teardown) before it learned of a signal
+_armed = 0  # watchers started in this process
+_GONE = {_SETUP: "left before training started", _ENDED: "had finished training before the signal reached it"}
 _ANSWER_S = 3.0  # a rank's watcher publishes its count within a poll of the signal: one silent this long is gone
 
 
@@ -67,7 +70,9 @@ class Preemption:
         self._deadline = float("inf")  # monotonic
         self._received: int | None = None  # a signal this process received (the handler's fallback record)
         self._store: Any = None
-        self._run = _liveness._run_id()
+        global _armed
+        _armed += 1  # every rank arms once per fit/validate/...: the same number keeps each run's keys apart
+        self._run = f"{_liveness._run_id()}/{_armed}"
         self._previous_handler: Any = None
         self._previous_wakeup = -1
         self._wake: tuple[socket.socket, socket.socket] | None = None
@@ -121,6 +126,7 @@ class Preemption:
         if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
             ended = f"training ended at step {self.step} before the save point; nothing saved"
             self._leave(self._unsaved() if self.saving is not None else ended)
+        self._publish(_ENDED)  # a rank signalled from now on waits for no count of this one
         self._thread = None
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == self._handle:
@@ -259,9 +265,10 @@ class Preemption:
         else:
             keys = [self._key("step", r) for r in range(world_size)]
             if not store.check(keys):
-                left = [r for r in range(world_size) if store.check([keys[r]]) and store.get(keys[r]) == b"setup"]
-                if left:
-                    self._leave(f"rank {left[0]} left before training started; nothing to save")
+                for r in range(world_size):
+                    marker = store.get(keys[r]).decode() if store.check([keys[r]]) else ""
+                    if marker in _GONE:
+                        self._leave(f"rank {r} {_GONE[marker]}; nothing saved")
                 if time.monotonic() > self._published_at + _ANSWER_S:
                     # e.g. torchrun stopping the survivors of a lost worker with SIGTERM: no save can complete
                     silent = [r for r in range(world_size) if not store.check([keys[r]])]
@@ -271,8 +278,9 @@ class Preemption:
                     )
                 return
             counts = [store.get(key).decode() for key in keys]
-        if _SETUP in counts:
-            self._leave(f"rank {counts.index(_SETUP)} left before training started; nothing to save")
+        for r, marker in enumerate(counts):
+            if marker in _GONE:
+                self._leave(f"rank {r} {_GONE[marker]}; nothing saved")
         self.stop_at = max(int(c) for c in counts) + 1
         self._decided.set()
 

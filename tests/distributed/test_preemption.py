@@ -191,15 +191,19 @@ def test_sigterm_outside_a_training_step_ends_every_rank_in_time_losing_nothing(
         assert step >= (3 if phase == "validation" else 2)
         return
     said = {
-        "setup": "before its first step boundary (training not started, or a Fabric loop that does not read "
-        "strategy.preempted); nothing saved",
-        "teardown": "training ended at step 8 before the save point; nothing saved",
+        "setup": re.escape(
+            "before its first step boundary (training not started, or a Fabric loop that does not read "
+            "strategy.preempted); nothing saved"
+        ),
+        # rank 1 leaves from its own teardown, or learns that rank 0 had already finished fit
+        "teardown": "(training ended at step 8 before the save point|rank 0 had finished training before the "
+        "signal reached it); nothing saved",
     }[phase]
     # after the last step, rank 0 may have finished fit before the signal came: it then fails at the script's own
     # next collective, with rank 1 gone
     for rank in (0, 1) if phase == "setup" else (1,):
         assert re.search(
-            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): {re.escape(said)}; "
+            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): {said}; "
             rf"leaving with exit code {EXIT_CODE}",
             run.proc.stderr,
         ), run.proc.stderr[-6000:]
