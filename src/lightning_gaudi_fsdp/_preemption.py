@@ -202,6 +202,11 @@ class Preemption:
                 if self.flagged:
                     self._progress()
         except Exception as err:  # noqa: BLE001 - a watcher that fails must not leave a rank waiting at a boundary
+            if self.flagged and _liveness.looks_like_a_lost_peer(err):  # e.g. rank 0 left first, with the store
+                self._leave(
+                    f"the rendezvous store stopped answering (its host left: global rank 0, or torchrun's agent); "
+                    f"it stopped at step {self.step}; nothing saved"
+                )
             if self.flagged:
                 self._leave(f"at step {self.step}; coordinating the save failed ({type(err).__name__}: {err})")
             log.warning(f"lightning_gaudi_fsdp: the preemption watcher stopped: {type(err).__name__}: {err}")
