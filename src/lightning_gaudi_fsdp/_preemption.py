@@ -123,6 +123,10 @@ class Preemption:
         if not self.flagged:  # a last look: a rank signalled while this one finished its last step
             with contextlib.suppress(Exception):
                 self._notice()
+        if self._received is not None and not self._signal:  # signalled here, the store gone: leave all the same
+            rank, _ = self.who()
+            self._signal = f"{signal.Signals(self._received).name} (received by rank {rank})"
+            self.flagged = True
         if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
             ended = f"training ended at step {self.step} before the save point; nothing saved"
             self._leave(self._unsaved() if self.saving is not None else ended)
