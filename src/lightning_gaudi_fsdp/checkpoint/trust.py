@@ -269,7 +269,7 @@ def read_distributed(
         raise CheckpointError(path, f"the distributed checkpoint could not be read: {err}") from None
 
 
-def check_distributed_entries(path: Path, metadata: Any) -> None:
+def check_distributed_entries(path: Path, metadata: Any, reader: Any = None) -> None:
     """Unpickle every non-tensor entry of a distributed checkpoint (optimizer hyper-parameters, a few bytes each)
     with ``weights_only=True``, so that a refusal comes before any weight changes."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -277,4 +277,4 @@ def check_distributed_entries(path: Path, metadata: Any) -> None:
 
     keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
     if keys:
-        read_distributed(path, {}, _EmptyStateDictLoadPlanner(keys=keys))
+        read_distributed(path, {}, _EmptyStateDictLoadPlanner(keys=keys), reader=reader)
