@@ -4,14 +4,16 @@ torch's way to resume a sharded checkpoint costs far more than reading it (issue
 layers: 27x ``torch.load`` of the rank's share with FSDP1): every ``dcp.load`` plans with two collectives, the model
 and each optimizer are read in separate passes, FSDP1's ``load_state_dict`` all-gathers each parameter again and its
 ``optim_state_dict_to_load`` moves and gathers optimizer state parameter by parameter (pytorch#120016, #111096,
-#110479), and FSDP2's ``get_optimizer_state_dict`` first runs a step on zero gradients to create state to load into.
+#110479), FSDP2's ``get_optimizer_state_dict`` first runs a step on zero gradients to create state to load into, and
+DCP's default planner touches every ``ShardedTensor`` through its ``__torch_function__`` (a few ms each).
 
-Here every rank builds the state it will hold itself: the model entries are views of its live shards (FSDP1: its
-slices of each flat parameter, as :func:`.fsdp1_state.model_state_dict` saves them; FSDP2: each parameter's DTensor),
-and each optimizer's state tensors are allocated in the shape they have on this rank, wrapped the same way, with the
-keys and dtypes the checkpoint's metadata lists. One read in this process alone (no collectives: each rank knows what
-it needs) fills all of it, through the same safe reader as every other read (:mod:`.trust`); each optimizer then gets
-its state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
+Here every rank lists the pieces it holds itself, each a box of a saved tensor (offsets and sizes) and the tensor it
+goes into: for the model, views of its live shards (FSDP1: its slices of each flat parameter, as
+:func:`.fsdp1_state.model_state_dict` saves them; FSDP2: each parameter's local shard); for each optimizer, state
+tensors allocated in the shape they have on this rank, with the keys and dtypes the checkpoint's metadata lists. One
+read in this process alone (no collectives: each rank knows what it needs), planned by :class:`_PiecePlanner` and
+done by the same safe reader as every other read (:mod:`.trust`), fills all of it; each optimizer then gets its
+state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
 
 :func:`plan` says whether this applies (``None``: the caller takes torch's path): FSDP1 where the package saves
 sharded state itself (:func:`.fsdp1_state.supported`), FSDP2 with every parameter a DTensor; every optimizer parameter
@@ -31,22 +33,23 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
 
+# A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
+# shaped like the box).
+Pieces = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
+
 
 @dataclass
 class _Optimizer:
-    """One optimizer's part of the read: the DCP template and, per parameter index, the tensors it fills."""
+    """One optimizer's part of the read: per parameter index, the state tensors the read fills."""
 
-    template: dict[str, Any]
-    state: dict[int, dict[str, torch.Tensor]]
-    flat_scalars: list[tuple[int, str, list[torch.Tensor]]] = field(default_factory=list)
+    state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
 class Plan:
-    """What one rank reads: ``template`` (``{"model": ..., "optimizer_<i>": ...}``) for DCP, and how the optimizer
-    entries become each optimizer's state afterwards."""
+    """What one rank reads, and how the optimizer entries become each optimizer's state afterwards."""
 
-    template: dict[str, Any]
+    pieces: Pieces
     optimizers: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]]
     live: list[tuple[torch.Tensor, torch.Tensor]]  # (read into, live tensor) where the two are not the same memory
 
@@ -75,18 +78,18 @@ def plan(
     engine2 = fsdp2.is_fsdp2(model)
     if not (engine2 or fsdp1_state.supported(model)):
         return None
-    saved = _saved_entries(metadata)
     keys = set(metadata.state_dict_metadata)
     model_template = {k: v for k, v in model_state.items() if strict or f"model.{k}" in keys}
-    template: dict[str, Any] = {"model": model_template}
     live = _live_copies(model, model_template)
     if live is None:
         return None
+    pieces: Pieces = {f"model.{k}": _pieces_of(v) for k, v in model_template.items()}
     planned: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]] = []
     if load_optimizers and any(k.startswith("optimizer_") for k in keys):
         params = _fsdp2_params(model) if engine2 else _fsdp1_params(model)
         if params is None:
             return None
+        saved = _saved_entries(metadata)
         for idx, optimizer in enumerate(optimizers):
             key = f"optimizer_{idx}"
             saved_groups = groups[idx].get("param_groups") if idx < len(groups) else None
@@ -95,13 +98,25 @@ def plan(
             names = [[n for p in g["params"] for n in params.get(id(p), ((), None))[0]] for g in optimizer.param_groups]
             if saved_groups is None or [g.get("params") for g in saved_groups] != names:
                 return None
-            one = _optimizer_template(optimizer, params, saved, key)
+            one = _optimizer_pieces(optimizer, params, saved, key, pieces)
             if one is None:
                 return None
-            if one.template["state"]:  # an empty entry would be read as a missing one
-                template[key] = one.template
             planned.append((optimizer, one, saved_groups))
-    return Plan(template, planned, live)
+    return Plan(pieces, planned, live)
+
+
+def _pieces_of(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """This rank's pieces of a template entry: a ``ShardedTensor``'s local shards, a DTensor's local chunk, or a
+    plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(value, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        chunks = value.__create_chunk_list__()
+        return [(tuple(c.offsets), local) for c in chunks if local.numel() > 0]
+    return [((0,) * value.dim(), value)]
 
 
 def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -118,11 +133,9 @@ def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch
         if hasattr(value, "local_shards"):
             continue
         target = own.get(key)
-        if (
-            not isinstance(value, torch.Tensor)
-            or target is None
-            or isinstance(value, DTensor) != isinstance(target, DTensor)
-        ):
+        if not isinstance(value, torch.Tensor) or target is None:
+            return None
+        if isinstance(value, DTensor) != isinstance(target, DTensor):
             return None
         if isinstance(value, DTensor):
             value, target = value.to_local(), target.to_local()
@@ -132,7 +145,7 @@ def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch
 
 
 # ----------------------------------------------------------------------------------------------- optimizer state
-# For each parameter the optimizer sees: the names it stands for, and how to build its state's template entries.
+# For each parameter the optimizer sees: the names it stands for, and what builds its state.
 _Params = dict[int, tuple[list[str], Any]]
 
 
@@ -160,54 +173,64 @@ def _fsdp2_params(model: Module) -> _Params | None:
     return params
 
 
-def _optimizer_template(optimizer: Optimizer, params: _Params, saved: Mapping[str, Any], key: str) -> _Optimizer | None:
+def _optimizer_pieces(
+    optimizer: Optimizer, params: _Params, saved: Mapping[str, Any], key: str, pieces: Pieces
+) -> _Optimizer | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    one = _Optimizer({"state": {}}, {})
+    one = _Optimizer()
     index = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in params:
                 return None  # a parameter FSDP does not manage: torch's path
             names, (kind, owner) = params[id(p)]
-            entries = [saved.get(f"{key}.state.{name}", {}) for name in names]
+            prefixes = [f"{key}.state.{name}" for name in names]
+            entries = [saved.get(prefix, {}) for prefix in prefixes]
             if any(not isinstance(md, TensorStorageMetadata) for e in entries for md in e.values()):
                 return None  # non-tensor state (a Python number): torch's path unpickles it
             if kind == "flat":
-                if not _flat_entries(one, index, owner, names, entries):
+                if not _flat_state(one, index, owner, prefixes, entries, pieces):
                     return None
             elif entries[0]:
-                made = _param_entries(kind, owner, entries[0])
-                if made is None:
+                state = _param_state(kind, owner, prefixes[0], entries[0], pieces)
+                if state is None:
                     return None
-                if made[1]:
-                    one.template["state"][names[0]] = made[0]
-                    one.state[index] = made[1]
+                if state:
+                    one.state[index] = state
             index += 1
     return one
 
 
-def _param_entries(kind: str, owner: Any, entries: Mapping[str, Any]) -> tuple[dict, dict] | None:
-    """The template entries and the state of one original parameter (FSDP1 with ``use_orig_params``, FSDP2): a
-    tensor of the parameter's full shape is this rank's piece of it, a 0-dim tensor (``step``) is read whole."""
-    template: dict[str, Any] = {}
+def _param_state(
+    kind: str, owner: Any, prefix: str, entries: Mapping[str, Any], pieces: Pieces
+) -> dict[str, torch.Tensor] | None:
+    """The state of one original parameter (FSDP1 with ``use_orig_params``, FSDP2), its pieces added to ``pieces``:
+    a tensor of the parameter's full shape is this rank's piece of it, a 0-dim tensor (``step``) is read whole."""
+    import torch.distributed as dist
+
     state: dict[str, torch.Tensor] = {}
     if kind == "orig" and owner.numel_in_shard == 0:
-        return {}, {}  # no element here: FSDP leaves such a parameter without state on this rank, as torch's path
+        return {}  # no element here: FSDP leaves such a parameter without state on this rank, as torch's path does
     shape = owner.shape if kind == "orig" else tuple(owner.shape)
     for leaf, md in entries.items():
-        dtype = md.properties.dtype
+        dtype, where = md.properties.dtype, f"{prefix}.{leaf}"
         if tuple(md.size) == ():
-            state[leaf] = template[leaf] = torch.empty((), dtype=dtype)
+            state[leaf] = torch.empty((), dtype=dtype)
+            pieces[where] = [((), state[leaf])]
         elif tuple(md.size) != tuple(shape):
             return None
         elif kind == "orig":
             state[leaf] = torch.empty(owner.numel_in_shard, dtype=dtype)
-            template[leaf] = fsdp1_state._sharded_tensor(owner, state[leaf])
+            pieces[where] = _fsdp1_pieces(owner, state[leaf], dist.get_rank())
         else:
             state[leaf] = _dtensor_like(owner, dtype)
-            template[leaf] = state[leaf]
-    return template, state
+            pieces[where] = _pieces_of(state[leaf])
+    return state
+
+
+def _fsdp1_pieces(param: Any, flat_slice: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    return [(tuple(box.offsets), view) for box, view in fsdp1_state.local_pieces(param, flat_slice, rank)]
 
 
 def _dtensor_like(param: Any, dtype: torch.dtype) -> Any:
@@ -219,47 +242,97 @@ def _dtensor_like(param: Any, dtype: torch.dtype) -> Any:
     )
 
 
-def _flat_entries(one: _Optimizer, index: int, unit: Any, names: list[str], entries: list[Mapping[str, Any]]) -> bool:
+def _flat_state(
+    one: _Optimizer, index: int, unit: Any, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: Pieces
+) -> bool:
     """FSDP1 without ``use_orig_params``: the optimizer sees the flat parameter, whose state tensors are this rank's
-    whole (padded) flat shard; each original parameter's entry is a view of its elements there. Padding stays zero,
-    as it is in training (its gradient is zero)."""
+    whole (padded) flat shard; each original parameter's pieces are views of its elements there. Padding stays zero,
+    as it is in training (its gradient is zero). A 0-dim entry (``step``) is the same for every parameter of the
+    unit: the first one's is read."""
+    import torch.distributed as dist
+
     leaves = {leaf: md for e in entries for leaf, md in e.items()}
     if not leaves:
         return True
     if any(set(e) != set(leaves) for e in entries):
         return False
     state: dict[str, torch.Tensor] = {}
+    rank = dist.get_rank()
     for leaf, md in leaves.items():
         if tuple(md.size) == ():
-            scalars = [torch.empty((), dtype=md.properties.dtype) for _ in names]
-            for name, scalar in zip(names, scalars, strict=True):
-                one.template["state"].setdefault(name, {})[leaf] = scalar
-            one.flat_scalars.append((index, leaf, scalars))
+            state[leaf] = torch.empty((), dtype=md.properties.dtype)
+            pieces[f"{prefixes[0]}.{leaf}"] = [((), state[leaf])]
             continue
         flat = torch.zeros(unit.local.numel(), dtype=md.properties.dtype)
-        for param, name, entry in zip(unit.params, names, entries, strict=True):
+        for param, prefix, entry in zip(unit.params, prefixes, entries, strict=True):
             if tuple(entry[leaf].size) != param.shape:
                 return False
             piece = flat[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
-            one.template["state"].setdefault(name, {})[leaf] = fsdp1_state._sharded_tensor(param, piece)
+            pieces[f"{prefix}.{leaf}"] = [
+                (tuple(b.offsets), v) for b, v in fsdp1_state.local_pieces(param, piece, rank)
+            ]
         state[leaf] = flat
     one.state[index] = state
     return True
 
 
-# ----------------------------------------------------------------------------------------------------- applying
+# ----------------------------------------------------------------------------------------------------- reading
+class _PiecePlanner:
+    """A DCP load planner over :data:`Pieces`: it reads exactly the listed boxes into their tensors, with no state
+    dict to walk (DCP's default planner visits every ``ShardedTensor`` through its ``__torch_function__``). Built
+    on :func:`torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list`, as torch's own planner
+    is."""
+
+    def __new__(cls, pieces: Pieces) -> Any:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        class PiecePlanner(LoadPlanner):
+            def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+                self.metadata = metadata
+
+            def create_local_plan(self) -> Any:
+                items = []
+                for key, wanted in pieces.items():
+                    md = self.metadata.state_dict_metadata.get(key)
+                    if md is None:
+                        raise RuntimeError(f"Missing key in checkpoint state_dict: {key}.")
+                    chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(t.shape)) for o, t in wanted]
+                    items += create_read_items_for_chunk_list(key, md, chunks)
+                return LoadPlan(items)
+
+            def create_global_plan(self, global_plan: list[Any]) -> list[Any]:
+                return global_plan
+
+            def finish_plan(self, central_plan: Any) -> Any:
+                return central_plan
+
+            def load_bytes(self, read_item: Any, value: Any) -> None:
+                raise RuntimeError(f"unexpected non-tensor entry {read_item.dest_index.fqn!r}")
+
+            def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+                target = pieces[read_item.dest_index.fqn][read_item.dest_index.index][1]
+                for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+                    if start != 0 or length != target.shape[dim]:
+                        target = target.narrow(dim, start, length)
+                return target
+
+            def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+                pass
+
+        return PiecePlanner()
+
+
 def apply(planned: Plan, read: Any) -> None:
-    """Read everything ``planned`` names with ``read(state)`` (one pass over the files), then put the optimizer state
-    and hyper-parameters in place."""
+    """Read everything ``planned`` lists with ``read(planner)`` (one pass over the files), then put the optimizer
+    state and hyper-parameters in place."""
     from lightning_gaudi_fsdp.checkpoint.loading import _merge_groups
 
-    read(planned.template)
+    read(_PiecePlanner(planned.pieces))
     with torch.no_grad():
         for value, target in planned.live:
             target.copy_(value)
     for optimizer, one, groups in planned.optimizers:
-        for index, leaf, scalars in one.flat_scalars:
-            one.state[index][leaf] = scalars[0]  # the same for every parameter of the unit, as it was saved
-        optimizer.load_state_dict(
-            {"state": one.state, "param_groups": _merge_groups(optimizer, {"param_groups": groups})}
-        )
+        groups = _merge_groups(optimizer, {"param_groups": groups})
+        optimizer.load_state_dict({"state": one.state, "param_groups": groups})

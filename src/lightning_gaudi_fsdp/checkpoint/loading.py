@@ -456,8 +456,6 @@ def _load_sharded_fast(
     """Load a sharded checkpoint with one read straight into this rank's shards (see :mod:`.fast_load`); ``False``
     (nothing changed) where torch's path must do it. Every rank decides the same way (the decision depends on the
     model's structure and the checkpoint only)."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     planned = fast_load.plan(
         model,
         pending.model_state,
@@ -470,9 +468,8 @@ def _load_sharded_fast(
     if planned is None:
         return False
 
-    def read(state: dict[str, Any]) -> None:
-        reader = pending.dcp_reader
-        read_distributed(pending.path, state, DefaultLoadPlanner(), weights_only=pending.weights_only, reader=reader)
+    def read(planner: Any) -> None:
+        read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
 
     fast_load.apply(planned, read)
     return True
