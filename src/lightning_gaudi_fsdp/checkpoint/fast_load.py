@@ -23,8 +23,10 @@ exactly these parameters, group by group.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -324,12 +326,54 @@ class _PiecePlanner:
         return PiecePlanner()
 
 
+def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
+    """Read ``pieces`` from the checkpoint at ``path``: each file opened once, its entries read in file order, each
+    saved tensor decoded by :func:`.trust.tensor_from_archive` (``torch.load(..., weights_only=True)``, as DCP's own
+    reader, for any it does not decode). ``False`` (nothing read) for a checkpoint whose entries are transformed
+    (compressed, ...): DCP's reader must undo that."""
+    from lightning_gaudi_fsdp.checkpoint.trust import tensor_from_archive
+
+    planner = _PiecePlanner(pieces)
+    planner.set_up_planner({}, metadata)
+    items = planner.create_local_plan().items
+    infos = [metadata.storage_data[item.storage_index] for item in items]
+    if any(getattr(info, "transform_descriptors", None) for info in infos):
+        return False
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for item, info in zip(items, infos, strict=True):
+        by_file.setdefault(info.relative_path, []).append((info, item))
+    for relative, entries in by_file.items():
+        entries.sort(key=lambda entry: entry[0].offset)
+        with open(path / relative, "rb", buffering=0) as handle:
+            last: tuple[Any, torch.Tensor] | None = None
+            for info, item in entries:
+                if last is None or last[0] != (info.offset, info.length):
+                    data = bytearray(info.length)
+                    handle.seek(info.offset)
+                    if handle.readinto(data) != info.length:
+                        raise EOFError(f"{relative} ends before the entry at {info.offset} (+{info.length} bytes)")
+                    saved = tensor_from_archive(data)
+                    if saved is None:
+                        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    last = ((info.offset, info.length), saved)
+                source = last[1]
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(item)
+                if target.shape != source.shape:
+                    raise ValueError(
+                        f"{item.dest_index.fqn}: read {tuple(source.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+    return True
+
+
 def apply(planned: Plan, read: Any) -> None:
-    """Read everything ``planned`` lists with ``read(planner)`` (one pass over the files), then put the optimizer
-    state and hyper-parameters in place."""
+    """Read everything ``planned`` lists with ``read(pieces, planner)`` (one pass over the files), then put the
+    optimizer state and hyper-parameters in place."""
     from lightning_gaudi_fsdp.checkpoint.loading import _merge_groups
 
-    read(_PiecePlanner(planned.pieces))
+    read(planned.pieces, _PiecePlanner(planned.pieces))
     with torch.no_grad():
         for value, target in planned.live:
             target.copy_(value)

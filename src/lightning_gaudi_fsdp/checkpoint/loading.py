@@ -468,8 +468,15 @@ def _load_sharded_fast(
     if planned is None:
         return False
 
-    def read(planner: Any) -> None:
-        read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
+    def read(pieces: fast_load.Pieces, planner: Any) -> None:
+        try:
+            done = fast_load.read_pieces(pending.path, pending.dcp_metadata, pieces)
+        except CheckpointError:
+            raise
+        except Exception as err:  # damage, or an entry safe loading refuses: named as DCP's own reader names it
+            raise CheckpointError(pending.path, f"the distributed checkpoint could not be read: {err}") from err
+        if not done:
+            read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
 
     fast_load.apply(planned, read)
     return True
