@@ -74,28 +74,32 @@ def plan(
     *,
     strict: bool,
     load_optimizers: bool,
+    model_key: str = "model",
+    optimizer_keys: Sequence[str | None] = (),
 ) -> Plan | None:
     """The read that fills ``model`` (from ``model_state``, the sharded template :func:`.loading.check_load` built)
-    and ``optimizers``; ``None`` where torch's path must do it (see the module's docstring)."""
+    and ``optimizers``; ``None`` where torch's path must do it (see the module's docstring). ``model_key``,
+    ``optimizer_keys``: the DCP keys of the model and of each optimizer (the Trainer's: ``model``,
+    ``optimizer_<i>``; a Fabric checkpoint's: the keys of the user's state, see :mod:`.views`)."""
     engine2 = fsdp2.is_fsdp2(model)
     if not (engine2 or fsdp1_state.supported(model)):
         return None
     keys = set(metadata.state_dict_metadata)
-    model_template = {k: v for k, v in model_state.items() if strict or f"model.{k}" in keys}
+    model_template = {k: v for k, v in model_state.items() if strict or f"{model_key}.{k}" in keys}
     live = _live_copies(model, model_template)
     if live is None:
         return None
-    pieces: Pieces = {f"model.{k}": _pieces_of(v) for k, v in model_template.items()}
+    pieces: Pieces = {f"{model_key}.{k}": _pieces_of(v) for k, v in model_template.items()}
     planned: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]] = []
-    if load_optimizers and any(k.startswith("optimizer_") for k in keys):
+    if load_optimizers and not all(k.startswith(f"{model_key}.") for k in keys):
         params = _fsdp2_params(model) if engine2 else _fsdp1_params(model)
         if params is None:
             return None
         saved = _saved_entries(metadata)
         for idx, optimizer in enumerate(optimizers):
-            key = f"optimizer_{idx}"
+            key = optimizer_keys[idx] if idx < len(optimizer_keys) else f"optimizer_{idx}"
             saved_groups = groups[idx].get("param_groups") if idx < len(groups) else None
-            if not any(k.startswith(f"{key}.") for k in keys):
+            if key is None or not any(k.startswith(f"{key}.") for k in keys):
                 return None  # torch's path raises its error
             names = [[n for p in g["params"] for n in params.get(id(p), ((), None))[0]] for g in optimizer.param_groups]
             if saved_groups is None or [g.get("params") for g in saved_groups] != names:
