@@ -15,12 +15,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
-from lightning_gaudi_fsdp._platform import gather_objects
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 T = TypeVar("T")
 

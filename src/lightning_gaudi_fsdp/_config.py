@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_gaudi_fsdp import _liveness, module_options, options
+from lightning_gaudi_fsdp import _liveness, _preemption, module_options, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import base as engine
 
@@ -44,6 +44,8 @@ class Resolved:
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
+    preemption: str  # "save" or "exit"
+    preemption_grace: float  # seconds from a SIGTERM until every rank has left
 
 
 def resolve(
@@ -76,6 +78,8 @@ def resolve(
     pretrained_prefix: Any = "",
     failure_timeout: Any = None,
     stuck_timeout: Any = None,
+    preemption: Any = "save",
+    preemption_grace: Any = _preemption.DEFAULT_GRACE_S,
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -156,6 +160,8 @@ def resolve(
         pretrained=weights,
         failure_timeout=_liveness.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
+        preemption=options.resolve_preemption(preemption),
+        preemption_grace=options.resolve_preemption_grace(preemption_grace),
     )
 
 
@@ -190,3 +196,4 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
+    door._preempt = None  # the SIGTERM watcher while one runs (preemption="save")

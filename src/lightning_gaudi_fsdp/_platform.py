@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from lightning_gaudi_fsdp import _exit, _liveness, gaudi
+from lightning_gaudi_fsdp import _exit, _liveness, _preemption, gaudi
 
 
 class GaudiPlatform:
@@ -150,6 +150,7 @@ def after_process_group(door: Any) -> None:
         # An exception that ends the script outside the door's own hooks (Fabric has none; after the Trainer's
         # teardown, a script's own collective) still names the rank that was lost.
         _liveness.report_uncaught(door._heartbeat)
+    _preemption.arm(door)
 
 
 def stop_heartbeat(door: Any) -> None:
@@ -179,11 +180,3 @@ def _is_mean(reduce_op: Any) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
     return reduce_op == ReduceOp.AVG
-
-
-def gather_objects(obj: Any, world_size: int) -> list[Any]:
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return [obj]
-    gathered: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered

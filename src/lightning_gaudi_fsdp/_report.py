@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Module
 
-from lightning_gaudi_fsdp._platform import gather_objects
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 if TYPE_CHECKING:
     from typing import Any

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_gaudi_fsdp import _report, gaudi, module_options
-from lightning_gaudi_fsdp._platform import gather_objects
 from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 log = logging.getLogger("lightning_gaudi_fsdp")
 

@@ -26,10 +26,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _report, _sharding, precision
+from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _preemption, _report, _sharding, precision
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.lightning_internals import BackwardSyncControl, Stateful
 from lightning_gaudi_fsdp.checkpoint import loading, views
+from lightning_gaudi_fsdp.engine import pieces
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
 if TYPE_CHECKING:
@@ -72,6 +73,15 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     ``fabric.load``/``load_raw``, by ``fabric.strategy.teardown()`` (each raises a failed background save on every
     rank as ``CheckpointSaveError``), and, as a last resort, when the interpreter exits (``atexit``; a failure there
     is logged, not raised, and ``os._exit`` skips it).
+
+    ``preemption="save"`` (default): a loop that reads ``fabric.strategy.preempted`` once per step saves and leaves
+    when any rank receives SIGTERM::
+
+        if fabric.strategy.preempted:  # the same answer on every rank, at the same step
+            fabric.save(path, state)  # commits (a background save too), then every rank leaves with exit code 75
+
+    A SIGTERM before the first read (setup) ends every rank at once (nothing to save), and every rank leaves within
+    ``preemption_grace`` seconds whatever happens (README: "Preemption").
     """
 
     strategy_name = "gaudi_fsdp"
@@ -102,6 +112,13 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         self._models: weakref.WeakSet[Module] = weakref.WeakSet()  # every model set up, for load_raw(optimizer)
 
     @property
+    def preempted(self) -> bool:
+        """Read once per step, at the same point of the loop on every rank: ``True`` on every rank at the same
+        step once any rank received SIGTERM (``preemption="save"``); the next ``fabric.save`` then commits and the
+        process leaves with exit code 75. Costs two attribute reads until a signal comes."""
+        return _preemption.preempted(self)
+
+    @property
     def kwargs(self) -> dict[str, Any]:
         """The FSDP keyword arguments (the Trainer's strategy calls them ``kwargs``)."""
         return self._fsdp_kwargs
@@ -130,10 +147,11 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         """Wait for the background save in flight (raising its failure on every rank), stop the heartbeat."""
         try:
             if self._background is not None:
-                gather = functools.partial(_platform.gather_objects, world_size=self.world_size)
+                gather = functools.partial(pieces.gather_objects, world_size=self.world_size)
                 self._background.finish(rank=self.global_rank, gather=gather)
         finally:
             _platform.stop_heartbeat(self)
+            _preemption.stop(self)  # a rank told of a SIGTERM leaves here
             # Lightning's Strategy.teardown, less checkpoint_io.teardown(): its Fabric FSDPStrategy raises
             # NotImplementedError from the checkpoint_io property, so the inherited teardown cannot run.
             self.cluster_environment.teardown()  # type: ignore[union-attr]
@@ -246,6 +264,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
         _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, list(optimizers.values()), stream)
+        _preemption.after_fabric_save(self, path)  # at the preemption's save point: commit, then leave
 
     def _wait_at_exit(self) -> None:
         # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.

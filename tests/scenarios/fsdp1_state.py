@@ -49,10 +49,10 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True) -> bool:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first); whether the stream
     planned anything."""
-    from lightning_gaudi_fsdp._platform import gather_objects
     from lightning_gaudi_fsdp.checkpoint import formats
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
+    from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     plan = FullStream(rank) if stream else None

@@ -107,6 +107,11 @@ def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict
     }
 
 
+def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    current = optimizer.state_dict()["param_groups"]
+    return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
+
+
 # ------------------------------------------------------------------------------------------------------- saving
 def save(
     fmt: CheckpointFormat,

@@ -16,6 +16,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp.checkpoint import fast_load
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -25,9 +26,15 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointFormat,
     detect_format,
     local_shard_name,
+    merge_groups,
     read_local_metadata,
 )
-from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
+from lightning_gaudi_fsdp.checkpoint.trust import (
+    check_distributed_entries,
+    load_file,
+    read_distributed,
+    storage_reader,
+)
 from lightning_gaudi_fsdp.checkpoint.views import (
     dcp_model_key,
     dcp_optimizer_key,
@@ -63,14 +70,17 @@ def check_sharded(
     weights_only: bool,
     view: dict[str, Any],
     hints: Hints,
+    reader: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata and
     ``view`` (the checkpoint's rest) naming the DCP keys of the model and optimizers. With ``weights_only``, every
-    non-tensor entry is also unpickled safely (they are small)."""
+    non-tensor entry is also unpickled safely (they are small). ``reader``: the :func:`.trust.storage_reader` to
+    read with (it keeps the metadata for later reads)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    reader = reader if reader is not None else storage_reader(path, weights_only=weights_only)
     try:
-        metadata = storage_reader(path, weights_only=weights_only).read_metadata()
+        metadata = reader.read_metadata()
     except CheckpointError:
         raise
     except Exception as err:
@@ -82,7 +92,7 @@ def check_sharded(
         if file.stat().st_size < info.offset + info.length:
             raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
     if weights_only:
-        check_distributed_entries(path, metadata)
+        check_distributed_entries(path, metadata, reader=reader)
     view = with_dcp_keys(view, list(metadata.state_dict_metadata), *hints)
     prefix = f"{dcp_model_key(view)}."
     saved = {
@@ -132,6 +142,7 @@ class PendingLoad:
     dcp_metadata: Any = None
     weights_only: bool = True
     optimizer_groups: list[Any] = field(default_factory=list)  # hyper-parameters kept beside sharded state
+    dcp_reader: Any = None  # sharded: the reader that read the metadata, kept for the data (read once)
 
 
 def check_load(
@@ -169,8 +180,11 @@ def check_load(
     if fmt == "sharded":
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         rest = internal_view(rest, path)
-        metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints)
-        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only)
+        reader = storage_reader(path, weights_only=weights_only)
+        metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints, reader)
+        return PendingLoad(
+            fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only, dcp_reader=reader
+        )
     check_local(path, model, engine, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
     rest = internal_view(rest, path)
@@ -274,6 +288,35 @@ def check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequenc
         raise CheckpointError(path, f"it holds {len(states)} optimizer state(s); this run has {len(optimizers)}")
 
 
-def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    current = optimizer.state_dict()["param_groups"]
-    return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
+def load_sharded_fast(
+    pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
+) -> bool:
+    """Load a sharded checkpoint with one read straight into this rank's shards (see :mod:`.fast_load`); ``False``
+    (nothing changed) where torch's path must do it. Every rank decides the same way (the decision depends on the
+    model's structure and the checkpoint only)."""
+    planned = fast_load.plan(
+        model,
+        pending.model_state,
+        optimizers,
+        pending.dcp_metadata,
+        pending.optimizer_groups,
+        strict=strict,
+        load_optimizers=load_optimizers,
+        model_key=dcp_model_key(pending.rest),
+        optimizer_keys=[dcp_optimizer_key(pending.rest, idx) for idx in range(len(optimizers))],
+    )
+    if planned is None:
+        return False
+
+    def read(pieces: fast_load.Pieces, planner: Any) -> None:
+        try:
+            done = fast_load.read_pieces(pending.path, pending.dcp_metadata, pieces)
+        except CheckpointError:
+            raise
+        except Exception as err:  # damage, or an entry safe loading refuses: named as DCP's own reader names it
+            raise CheckpointError(pending.path, f"the distributed checkpoint could not be read: {err}") from err
+        if not done:
+            read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
+
+    fast_load.apply(planned, read)
+    return True

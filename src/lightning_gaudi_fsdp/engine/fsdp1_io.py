@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
 from lightning_gaudi_fsdp.checkpoint import loading
-from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat, merge_groups
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import storage_reader
 from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key
@@ -180,6 +180,9 @@ def check_local_layout(path: Path, meta: dict[str, Any], model: Module) -> None:
 
 def current_state(model: Module, fmt: CheckpointFormat, device_type: str) -> dict[str, Any]:
     """The model's sharded or local state dict, to check a checkpoint against (runs collectives)."""
+    if fmt == "sharded" and fsdp1_state.supported(model):
+        # views of this rank's own slices (see checkpoint.fast_load), built without collectives; torch's all-gathers
+        return model_state_dict(model, "sharded", device_type)
     with state_dict_context(model, fmt, device_type):
         return model.state_dict()
 
@@ -239,7 +242,7 @@ def load_full_optimizers(
     for optimizer, state in zip(optimizers, states, strict=True):
         if not state.get("state"):
             # Nothing to shard (e.g. SGD without momentum): the hyper-parameters are all there is.
-            optimizer.load_state_dict({"state": {}, "param_groups": loading.merge_groups(optimizer, state)})
+            optimizer.load_state_dict({"state": {}, "param_groups": merge_groups(optimizer, state)})
             continue
         if isinstance(next(iter(state["state"])), int):
             state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, model)
@@ -260,6 +263,11 @@ def _load_sharded(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     path = pending.path
+    if loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+        return
+    if fsdp1_state.supported(model):  # the template check_load built is the package's: torch's path needs its own
+        with state_dict_context(model, "sharded", device_type):
+            pending.model_state = model.state_dict()
     with state_dict_context(model, "sharded", device_type):
         model_key = dcp_model_key(pending.rest)
         state = {model_key: pending.model_state}

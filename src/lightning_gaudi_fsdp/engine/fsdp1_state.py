@@ -149,13 +149,20 @@ def _sharded_tensor(param: _Param, flat_slice: torch.Tensor) -> Any:
     the parameter, in flat order)."""
     import torch.distributed as dist
 
-    local, position = [], 0
-    for box in param.boxes[dist.get_rank()]:
-        numel = math.prod(box.sizes)
-        local.append(flat_slice[position : position + numel].view(box.sizes))
-        position += numel
+    local = [piece for _, piece in local_pieces(param, flat_slice, dist.get_rank())]
     boxes = [(r, box.offsets, box.sizes) for r, rank_boxes in enumerate(param.boxes) for box in rank_boxes]
     return torch_internals.sharded_tensor(param.shape, flat_slice.dtype, str(flat_slice.device), boxes, local)
+
+
+def local_pieces(param: _Param, flat_slice: torch.Tensor, rank: int) -> list[tuple[Box, torch.Tensor]]:
+    """``rank``'s boxes of ``param`` and, for each, its view of ``flat_slice`` (that rank's elements of the parameter,
+    in flat order) in the box's shape."""
+    pieces, position = [], 0
+    for box in param.boxes[rank]:
+        numel = math.prod(box.sizes)
+        pieces.append((box, flat_slice[position : position + numel].view(box.sizes)))
+        position += numel
+    return pieces
 
 
 def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.checkpoint import loading
-from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat, merge_groups
 from lightning_gaudi_fsdp.checkpoint.trust import storage_reader
 from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key
 from lightning_gaudi_fsdp.engine import fsdp2_state
@@ -36,7 +36,7 @@ def current_state(model: Module, fmt: CheckpointFormat, device_type: str) -> dic
 def load_full_optimizer(model: Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
     """Load one full optimizer state (as in a full checkpoint) into ``optimizer`` of the sharded ``model``."""
     if not state.get("state"):
-        optimizer.load_state_dict({"state": {}, "param_groups": loading.merge_groups(optimizer, state)})
+        optimizer.load_state_dict({"state": {}, "param_groups": merge_groups(optimizer, state)})
     else:
         fsdp2_state.load_full_optimizer(model, optimizer, state)
 
@@ -51,6 +51,8 @@ def apply_load(
     load_optimizers: bool,
 ) -> None:
     path = pending.path
+    if pending.fmt == "sharded" and loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+        return
     if pending.fmt == "full":
         fsdp2_state.load_full(model, pending.model_state, strict)
     elif pending.fmt == "sharded":
@@ -74,7 +76,7 @@ def apply_load(
         if pending.fmt == "full":
             load_full_optimizer(model, optimizer, state)
         elif not state.get("state"):
-            optimizer.load_state_dict({"state": {}, "param_groups": loading.merge_groups(optimizer, state)})
+            optimizer.load_state_dict({"state": {}, "param_groups": merge_groups(optimizer, state)})
         else:
             fsdp2_state.load_local_optimizer(model, optimizer, state)
 

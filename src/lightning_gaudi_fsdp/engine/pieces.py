@@ -51,3 +51,12 @@ def gather_pieces(
     for work in works:
         work.wait()
     return out
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
