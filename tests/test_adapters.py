@@ -193,6 +193,9 @@ def test_lightning_helpers_the_doors_reuse():
     module = L.LightningModule()
     assert lightning_internals.attached_trainer(module) is None
     lightning_internals.move_torchmetrics_to_device(nn.Linear(1, 1), torch.device("cpu"))
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert callable(_TrainingEpochLoop._should_accumulate)  # lightning_internals.accumulating
     assert inspect.isabstract(lightning_internals.BackwardSyncControl)
     assert isinstance(nn.Linear(1, 1), lightning_internals.Stateful)
     with pytest.raises(KeyError, match="missing"):

@@ -37,6 +37,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import _liveness
+from lightning_gaudi_fsdp.adapters import lightning_internals
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +426,7 @@ class _SaveAtPreemption(Callback):
         self.watcher = watcher
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if lightning_internals.accumulating(trainer):
             return  # mid-accumulation: the gradients accumulated so far would not be in the checkpoint
         watcher = self.watcher
         if not watcher.boundary(trainer.global_step):

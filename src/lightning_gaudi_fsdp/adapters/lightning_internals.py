@@ -48,6 +48,11 @@ def attached_trainer(module: Any) -> pl.Trainer | None:
     return module._trainer if module is not None else None
 
 
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the batch just run is mid gradient accumulation (the optimizer has not stepped after it)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def building_checkpoint_to_save() -> bool:
     """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
     hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""
