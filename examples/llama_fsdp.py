@@ -7,6 +7,9 @@ The model is ``transformers``' ``LlamaForCausalLM`` built from a config (no weig
 generated: each sequence follows ``token[t + 1] = (token[t] + stride) % vocab`` with a per-sequence stride, so the
 loss falls visibly within a minute on CPU. ``trainer.accelerator: auto`` picks Gaudi when the Habana bridge sees a
 device, and CPU processes otherwise (the run says which).
+
+Throughput is logged by ``lightning_gaudi_fsdp.throughput.ThroughputMonitor`` (``train/items_per_sec`` = tokens/s,
+``train/device/mfu`` on Gaudi 2 and Gaudi 3) from the model FLOPs the module reports per batch, and printed at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gaudi_fsdp import gaudi
+from lightning_gaudi_fsdp.throughput import ThroughputMonitor
 
 
 class StrideSequences(Dataset):
@@ -77,6 +81,8 @@ class LlamaLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
+        self.flops_per_batch = 0  # read by ThroughputMonitor after each batch (model FLOPs of this rank's batch)
+        self._matmul_params = 0
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -95,8 +101,20 @@ class LlamaLM(L.LightningModule):
             tie_word_embeddings=False,
         )
         self.model = LlamaForCausalLM(config)
+        # every parameter but the input embedding (a lookup, not a matmul), counted before FSDP shards them
+        self._matmul_params = sum(p.numel() for p in self.model.parameters()) - h.vocab_size * h.hidden_size
+
+    def _model_flops(self, tokens: torch.Tensor) -> int:
+        """Model FLOPs of one batch (PaLM's accounting, activation recomputation not counted): per token
+        6 * N (forward and backward matmuls) + 12 * layers * hidden * sequence (attention), a third of it without
+        backward."""
+        batch, seq = tokens.shape[0], tokens.shape[1] - 1
+        h = self.hparams
+        per_token = 6 * self._matmul_params + 12 * h.num_hidden_layers * h.hidden_size * seq
+        return batch * seq * per_token // (1 if self.training else 3)
 
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.flops_per_batch = self._model_flops(tokens)
         logits = self.model(input_ids=tokens[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
@@ -145,6 +163,7 @@ class LossSummary(Callback):
             return
         first, last = self.losses[0], self.losses[-1]
         print(f"loss: first={first:.4f} last={last:.4f} steps={trainer.global_step}", flush=True)
+        self._print_throughput(trainer)
         log_dir = getattr(trainer.logger, "log_dir", None)  # not trainer.log_dir: it broadcasts, rank 0 alone here
         if log_dir is not None:
             print(f"metrics (CSV): {log_dir}/metrics.csv", flush=True)
@@ -155,6 +174,20 @@ class LossSummary(Callback):
             print(f"checkpoint ({trainer.strategy._state_dict_type}, committed before the run exits): {path}")
             print(f"  lightning-gaudi-fsdp inspect {path}")
             print(f"  lightning-gaudi-fsdp convert {path} model.ckpt --to full", flush=True)
+
+    @staticmethod
+    def _print_throughput(trainer: L.Trainer) -> None:
+        metrics = trainer.logged_metrics  # what ThroughputMonitor logged last (rank 0)
+        tokens = metrics.get("train/items_per_sec", metrics.get("train/device/items_per_sec"))
+        if tokens is None:
+            return
+        line = f"throughput: {float(tokens):.0f} tokens/s on {trainer.world_size} device(s)"
+        monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+        if "train/device/mfu" in metrics:
+            line += f"; MFU {float(metrics['train/device/mfu']):.3f} ({monitor.peak.reason})"
+        elif monitor is not None and monitor.peak is not None:
+            line += f"; MFU not available: {monitor.peak.reason}"
+        print(line, flush=True)
 
     def _plot(self, path: str) -> None:
         try:
@@ -192,7 +225,13 @@ def main(args: list[str] | None = None) -> None:
     GaudiCLI(
         LlamaLM,
         StrideDataModule,
-        trainer_defaults={"callbacks": [LossSummary()]},
+        trainer_defaults={
+            "callbacks": [
+                LossSummary(),
+                # tokens/s and, on Gaudi, MFU: every batch holds batch_size sequences of seq_len predicted tokens
+                ThroughputMonitor(batch_size_fn=len, length_fn=lambda tokens: tokens[:, 1:].numel(), window_size=10),
+            ]
+        },
         args=args,
         save_config_kwargs={"overwrite": True},
     )

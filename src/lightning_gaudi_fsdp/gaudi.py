@@ -76,6 +76,19 @@ def device_count() -> int:
         return 0
 
 
+def device_generation() -> str | None:
+    """The Gaudi generation of this process's device as the bridge names it, lower-cased: ``"gaudi2"``, ``"gaudi3"``
+    (``torch.hpu.get_device_name()`` answers ``"GAUDI2"``, ``"GAUDI3"``); ``None`` without a visible device."""
+    hpu = _hpu_module()
+    try:
+        if hpu is None or not hpu.is_available():
+            return None
+        name = str(hpu.get_device_name())
+    except Exception:  # an old bridge without get_device_name, or a device that does not answer
+        return None
+    return name.strip().lower().replace(" ", "") or None
+
+
 def bridge_version() -> str | None:
     if not bridge_installed():
         return None
