@@ -8,12 +8,17 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, fabric, gaudi
 from lightning_gaudi_fsdp.throughput import FabricMonitor, ThroughputMonitor, peak_flops
+from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.versions  # Lightning's private Throughput list is used: checked on every pairing
+
+
+def _trainer(accelerator: str, **kwargs) -> L.Trainer:
+    kwargs.setdefault("strategy", GaudiFSDPStrategy())
+    return L.Trainer(accelerator=accelerator, devices=2, logger=False, **kwargs)
 
 
 def _monitor_after_setup(trainer: L.Trainer, **kwargs) -> ThroughputMonitor:
@@ -32,7 +37,7 @@ def _mfu(monitor: ThroughputMonitor, flops_per_batch: float, seconds_per_batch: 
 
 def test_trainer_on_gaudi2_divides_by_the_bf16_peak(fake_gaudi, monkeypatch, caplog):  # noqa: F811
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI2")
-    trainer = L.Trainer(logger=False, accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed")
+    trainer = _trainer("hpu", precision="bf16-mixed")
     caplog.set_level(logging.INFO)
     monitor = _monitor_after_setup(trainer)
     assert gaudi.device_generation() == "gaudi2"
@@ -43,16 +48,16 @@ def test_trainer_on_gaudi2_divides_by_the_bf16_peak(fake_gaudi, monkeypatch, cap
 
 def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fake_gaudi, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
-    trainer = L.Trainer(logger=False, accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed")
+    trainer = _trainer("hpu", precision="bf16-mixed")
     assert _monitor_after_setup(trainer, dtype="fp8").available_flops == 1835e12
     strategy = GaudiFSDPStrategy(mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32"})
-    trainer = L.Trainer(logger=False, accelerator="hpu", devices=2, strategy=strategy)  # 32-true; FSDP computes in bf16
+    trainer = _trainer("hpu", strategy=strategy)  # 32-true; FSDP computes in bf16
     assert _monitor_after_setup(trainer).available_flops == 1835e12
 
 
 def test_fp32_compute_and_an_unknown_generation_say_why_there_is_no_mfu(fake_gaudi, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
-    monitor = _monitor_after_setup(L.Trainer(logger=False, accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy()))
+    monitor = _monitor_after_setup(_trainer("hpu"))
     assert monitor.available_flops is None
     assert monitor.peak.reason == "Intel publishes Gaudi 3 peaks for bf16 and fp8 only; this run computes in fp32/fp16"
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI")
@@ -60,11 +65,11 @@ def test_fp32_compute_and_an_unknown_generation_say_why_there_is_no_mfu(fake_gau
         "device generation 'gaudi' has no published peak here; known: 'gaudi2', 'gaudi3'"
     )
     with pytest.raises(ValueError, match=r"dtype='fp16' is not supported; expected one of 'bf16', 'fp8'"):
-        _monitor_after_setup(L.Trainer(logger=False, accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy()), dtype="fp16")
+        _monitor_after_setup(_trainer("hpu"), dtype="fp16")
 
 
 def test_cpu_rehearsal_reports_throughput_and_says_mfu_is_not_available(caplog):
-    trainer = L.Trainer(logger=False, accelerator="cpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed")
+    trainer = _trainer("cpu", precision="bf16-mixed")
     caplog.set_level(logging.INFO)
     monitor = _monitor_after_setup(trainer)
     assert monitor.available_flops is None
