@@ -122,6 +122,14 @@ def test_every_snippet_is_tested_or_marked():
             assert language == "" or language in allowed, f"{page.name}: fence language {language!r}"
 
 
+def test_readme_links_point_at_files_that_exist():
+    """The README is read on GitHub and PyPI, outside the site: its relative links are checked here."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert links, "no links found"
+    assert missing == []
+
+
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None, reason="no mkdocs")
 def test_site_builds_strict(tmp_path):
     proc = subprocess.run(
