@@ -153,7 +153,7 @@ def _assert_load_raw_and_filter(run, ckpt, fmt: str) -> None:
 def test_a_background_save_still_writing_when_the_script_ends_is_committed_at_exit(scenario, tmp_path):
     """No teardown: the last fabric.save (a 2 s write) is still in flight when the script returns; the interpreter's
     exit (atexit) waits for it, so the checkpoint is committed. (The exit code is not checked: torch 2.13's gloo may
-    abort at interpreter exit, see README "Failure modes".)"""
+    abort at interpreter exit, see docs/failure-modes.md.)"""
     ckpt = tmp_path / "ckpt"
     run = scenario(
         {
