@@ -18,6 +18,7 @@ import contextlib
 import copy
 import importlib.util
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -107,10 +108,13 @@ def _parsers(tmp_dir: Path) -> list[Any]:
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_snippets_run_or_compile_and_configs_parse(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # whatever a snippet writes lands here
-    document = sybil.Sybil(_parsers(tmp_path)).parse(page)
-    examples = list(document)
-    for example in examples:
-        example.evaluate()
+    environ = dict(os.environ)  # a Trainer built by a snippet marks this process as a launcher; undone after
+    try:
+        for example in sybil.Sybil(_parsers(tmp_path)).parse(page):
+            example.evaluate()
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_every_snippet_is_tested_or_marked():
