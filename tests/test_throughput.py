@@ -55,6 +55,13 @@ def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fa
     assert _monitor_after_setup(trainer).available_flops == 1835e12
 
 
+@pytest.mark.fsdp2
+def test_fsdp2_mixed_precision_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI2")
+    strategy = GaudiFSDPStrategy(fsdp_version=2, mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32"})
+    assert _monitor_after_setup(_trainer("hpu", strategy=strategy)).available_flops == 432e12
+
+
 def test_fp32_compute_and_an_unknown_generation_say_why_there_is_no_mfu(fake_gaudi, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
     monitor = _monitor_after_setup(_trainer("hpu"))

@@ -66,8 +66,8 @@ def peak_flops(device: torch.device, dtype: ComputeDtype | None) -> PeakFlops:
 
 def compute_dtype(precision: str, mixed_precision: Any = None) -> ComputeDtype | None:
     """The dtype the matrix engine computes in: from ``precision`` (``"bf16-mixed"``, ``"bf16-true"``; Intel's
-    Transformer Engine computes in fp8), else from FSDP's ``mixed_precision`` ``param_dtype`` (a dict or a
-    ``MixedPrecision``); ``None`` for fp32 or fp16 compute."""
+    Transformer Engine computes in fp8), else from FSDP's ``param_dtype`` (a dict, FSDP1's ``MixedPrecision`` or
+    FSDP2's ``MixedPrecisionPolicy``); ``None`` for fp32 or fp16 compute."""
     dtype = _PRECISION_DTYPES.get(str(precision))
     if dtype is not None:
         return dtype
@@ -82,7 +82,9 @@ def compute_dtype(precision: str, mixed_precision: Any = None) -> ComputeDtype |
 def _resolve(device: torch.device, precision: str, strategy: Any, dtype: ComputeDtype | None) -> PeakFlops:
     if dtype is not None and dtype not in ("bf16", "fp8"):
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of 'bf16', 'fp8' or None (from precision)")
-    chosen = dtype or compute_dtype(precision, getattr(strategy, "mixed_precision", None))
+    # FSDP1's MixedPrecision (Lightning's attribute) or FSDP2's MixedPrecisionPolicy (the strategy's own)
+    mixed = getattr(strategy, "mixed_precision", None) or getattr(strategy, "_mp_policy", None)
+    chosen = dtype or compute_dtype(precision, mixed)
     return peak_flops(device, chosen)
 
 
