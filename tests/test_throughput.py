@@ -55,6 +55,18 @@ def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fa
     assert _monitor_after_setup(trainer).available_flops == 1835e12
 
 
+def test_trainer_monitor_waits_for_the_gaudi_device_before_timing_a_batch(fake_gaudi, monkeypatch):  # noqa: F811
+    trainer = _trainer("hpu", precision="bf16-mixed")
+    monitor = _monitor_after_setup(trainer)
+    module = L.LightningModule()
+    module.flops_per_batch = 1
+    monitor.on_validation_start(trainer)
+    calls = fake_gaudi()
+    before = calls.count(("synchronize",))
+    monitor.on_validation_batch_end(trainer, module, None, torch.zeros(2, 3), 0)
+    assert calls.count(("synchronize",)) == before + 1
+
+
 @pytest.mark.fsdp2
 def test_fsdp2_mixed_precision_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI2")

@@ -151,6 +151,14 @@ def current_device() -> torch.device:
     return torch.device("hpu", index)
 
 
+def synchronize() -> None:
+    """Wait for the work queued on this process's Gaudi device (a timer read after it measures finished work); a no-op
+    without the bridge."""
+    hpu = _hpu_module()
+    if hpu is not None:
+        hpu.synchronize()
+
+
 def host_staging_allocator(device_type: str) -> Callable[[torch.Size, torch.dtype], torch.Tensor] | None:
     """How to allocate host buffers that checkpoints are staged into from ``device_type``: page-locked memory on Gaudi
     once the bridge is loaded (device-to-host copies into it run at DMA speed), ``None`` (ordinary memory) elsewhere;

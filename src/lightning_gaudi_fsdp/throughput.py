@@ -95,7 +95,8 @@ class ThroughputMonitor(TrainerThroughputMonitor):
     (``train/device/items_per_sec``, ``train/device/mfu``, ...); the LightningModule provides ``flops_per_batch``
     as Lightning documents. ``dtype`` (``"bf16"`` or ``"fp8"``) picks the peak to divide by; by default it follows
     ``Trainer(precision=...)`` and the strategy's ``mixed_precision``. After ``setup``, :attr:`peak` holds the figure
-    used or the reason there is none, which rank 0 also prints once.
+    used or the reason there is none, which rank 0 also prints once. On Gaudi, rank 0 waits for the device before
+    timing each training and validation batch, as Lightning does on CUDA.
     """
 
     def __init__(self, *args: Any, dtype: ComputeDtype | None = None, **kwargs: Any) -> None:
@@ -122,10 +123,28 @@ class ThroughputMonitor(TrainerThroughputMonitor):
             rank_zero_info(f"ThroughputMonitor: MFU not available: {self.peak.reason}")
 
 
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+        self._synchronize(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+
+    @override
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+        self._synchronize(trainer)
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, *args)
+
+    @staticmethod
+    def _synchronize(trainer: Any) -> None:
+        # Lightning synchronizes CUDA before reading its timer; Gaudi queues work the same way. Rank 0 alone times.
+        if trainer.is_global_zero and trainer.strategy.root_device.type == "hpu":
+            gaudi.synchronize()
+
+
 class FabricMonitor(FabricThroughputMonitor):
     """Lightning's Fabric ``ThroughputMonitor`` with MFU on Gaudi 2 and Gaudi 3: create it after ``fabric.launch()``
     as ``FabricMonitor(fabric, window_size=...)``, then ``update(...)`` and ``compute_and_log(...)`` as in Lightning.
-    ``dtype`` and :attr:`peak` as for :class:`ThroughputMonitor`."""
+    ``dtype`` and :attr:`peak` as for :class:`ThroughputMonitor`. Call ``gaudi.synchronize()`` before reading the time
+    you pass to ``update`` (work on the device is queued)."""
 
     def __init__(self, fabric: Any, dtype: ComputeDtype | None = None, **kwargs: Any) -> None:
         super().__init__(fabric, **kwargs)
