@@ -122,7 +122,6 @@ class ThroughputMonitor(TrainerThroughputMonitor):
         else:
             rank_zero_info(f"ThroughputMonitor: MFU not available: {self.peak.reason}")
 
-
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
         self._synchronize(trainer)
