@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gaudi_fsdp import gaudi
-from lightning_gaudi_fsdp.throughput import ThroughputMonitor
+from lightning_gaudi_fsdp.throughput import ThroughputMonitor, summary
 
 
 class StrideSequences(Dataset):
@@ -42,6 +42,15 @@ class StrideSequences(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tokens[i]
+
+
+def model_flops(tokens: torch.Tensor, matmul_params: int, layers: int, hidden: int, backward: bool = True) -> int:
+    """Model FLOPs of one batch of ``tokens`` (inputs and the shifted targets: ``seq + 1`` columns), PaLM's accounting
+    with activation recomputation not counted: per token ``6 * N`` (forward and backward matmuls, ``N`` every parameter
+    but the input embedding) + ``12 * layers * hidden * seq`` (attention); a third of it without backward."""
+    batch, seq = tokens.shape[0], tokens.shape[1] - 1
+    per_token = 6 * matmul_params + 12 * layers * hidden * seq
+    return batch * seq * per_token // (1 if backward else 3)
 
 
 class StrideDataModule(L.LightningDataModule):
@@ -104,17 +113,11 @@ class LlamaLM(L.LightningModule):
         # every parameter but the input embedding (a lookup, not a matmul), counted before FSDP shards them
         self._matmul_params = sum(p.numel() for p in self.model.parameters()) - h.vocab_size * h.hidden_size
 
-    def _model_flops(self, tokens: torch.Tensor) -> int:
-        """Model FLOPs of one batch (PaLM's accounting, activation recomputation not counted): per token
-        6 * N (forward and backward matmuls) + 12 * layers * hidden * sequence (attention), a third of it without
-        backward."""
-        batch, seq = tokens.shape[0], tokens.shape[1] - 1
-        h = self.hparams
-        per_token = 6 * self._matmul_params + 12 * h.num_hidden_layers * h.hidden_size * seq
-        return batch * seq * per_token // (1 if self.training else 3)
-
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.flops_per_batch = self._model_flops(tokens)
+        h = self.hparams
+        self.flops_per_batch = model_flops(
+            tokens, self._matmul_params, h.num_hidden_layers, h.hidden_size, self.training
+        )
         logits = self.model(input_ids=tokens[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
@@ -177,17 +180,11 @@ class LossSummary(Callback):
 
     @staticmethod
     def _print_throughput(trainer: L.Trainer) -> None:
-        metrics = trainer.logged_metrics  # what ThroughputMonitor logged last (rank 0)
-        tokens = metrics.get("train/items_per_sec", metrics.get("train/device/items_per_sec"))
-        if tokens is None:
-            return
-        line = f"throughput: {float(tokens):.0f} tokens/s on {trainer.world_size} device(s)"
         monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
-        if "train/device/mfu" in metrics:
-            line += f"; MFU {float(metrics['train/device/mfu']):.3f} ({monitor.peak.reason})"
-        elif monitor is not None and monitor.peak is not None:
-            line += f"; MFU not available: {monitor.peak.reason}"
-        print(line, flush=True)
+        # what ThroughputMonitor logged last (rank 0)
+        line = summary(trainer.logged_metrics, getattr(monitor, "peak", None), trainer.world_size, prefix="train/")
+        if line:
+            print(line, flush=True)
 
     def _plot(self, path: str) -> None:
         try:

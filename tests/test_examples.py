@@ -169,6 +169,11 @@ def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     first = _run([script, "--steps", "20", "--save-every", "10", "--async-save"], tmp_path)  # committed by teardown
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training on CPU processes (no Gaudi found)" in first.stdout
+    # Fabric's throughput monitor: tokens/s, and on CPU the reason there is no MFU
+    assert re.search(
+        r"throughput: \d+ tokens/s on 2 device\(s\); MFU not available: no published peak FLOPs for 'cpu' devices",
+        first.stdout,
+    ), first.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00010", "step-00020"]
     assert (tmp_path / "checkpoints" / "step-00020" / "meta.pt").is_file()  # the sharded layout
     resumed = _run([script, "--steps", "30", "--save-every", "10", "--resume"], tmp_path)

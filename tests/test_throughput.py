@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, fabric, gaudi
-from lightning_gaudi_fsdp.throughput import FabricMonitor, ThroughputMonitor, peak_flops
+from lightning_gaudi_fsdp.throughput import FabricMonitor, PeakFlops, ThroughputMonitor, peak_flops, summary
 from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.versions  # Lightning's private Throughput list is used: checked on every pairing
@@ -112,3 +112,18 @@ def test_fabric_on_cpu_says_why_there_is_no_mfu():
     monitor = FabricMonitor(f)
     assert monitor.available_flops is None
     assert monitor.peak.reason == "no published peak FLOPs for 'cpu' devices in lightning-gaudi-fsdp"
+
+
+def test_summary_line_reads_tokens_per_second_and_mfu_or_why_not():
+    gaudi2 = PeakFlops(432e12, "Gaudi 2 peak bf16 432 TFLOP/s (Intel's Gaudi 3 white paper)")
+    logged = {"train/items_per_sec": 37440.4, "train/device/items_per_sec": 4680.05, "train/device/mfu": 0.6271}
+    assert summary(logged, gaudi2, 8, prefix="train/") == (
+        "throughput: 37440 tokens/s on 8 device(s); MFU 0.627 (Gaudi 2 peak bf16 432 TFLOP/s (Intel's Gaudi 3 white "
+        "paper))"
+    )
+    cpu = PeakFlops(None, "no published peak FLOPs for 'cpu' devices in lightning-gaudi-fsdp")
+    assert summary({"device/items_per_sec": 438.2}, cpu, 1) == (
+        "throughput: 438 tokens/s on 1 device(s); MFU not available: no published peak FLOPs for 'cpu' devices in "
+        "lightning-gaudi-fsdp"
+    )
+    assert summary({"time": 1.0}, cpu, 1) is None  # the window has not filled yet

@@ -9,6 +9,7 @@ available when it is not (a CPU rehearsal, a dtype Intel publishes no peak for).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,6 +78,20 @@ def compute_dtype(precision: str, mixed_precision: Any = None) -> ComputeDtype |
         else getattr(mixed_precision, "param_dtype", None)
     )
     return "bf16" if param_dtype in (torch.bfloat16, "bf16", "bfloat16") else None
+
+
+def summary(metrics: Mapping[str, Any], peak: PeakFlops | None, world_size: int, prefix: str = "") -> str | None:
+    """One line for people: tokens/s over all devices and MFU, or why there is no MFU, from what a monitor computed
+    (``metrics``: its keys, under ``prefix`` such as ``"train/"`` for what the Trainer's logged); ``None`` before the
+    monitor's window has filled."""
+    tokens = metrics.get(f"{prefix}items_per_sec", metrics.get(f"{prefix}device/items_per_sec"))
+    if tokens is None:
+        return None
+    line = f"throughput: {float(tokens):.0f} tokens/s on {world_size} device(s)"
+    mfu = metrics.get(f"{prefix}device/mfu")
+    if mfu is not None:
+        return f"{line}; MFU {float(mfu):.3f} ({peak.reason if peak else 'Lightning peak'})"
+    return f"{line}; MFU not available: {peak.reason}" if peak is not None else line
 
 
 def _resolve(device: torch.device, precision: str, strategy: Any, dtype: ComputeDtype | None) -> PeakFlops:
