@@ -23,6 +23,7 @@ shows whether the model learned to continue a stride.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,16 @@ def main() -> None:
         pretrained_weights=str(base),
         pretrained_prefix=PREFIX,
     )
+    num_samples = 64 * args.batch_size
+    # The progress bar counts epochs up to max_epochs: give the number of passes over the data that args.steps takes
+    # (each rank sees its share of the samples, in whole batches); Lightning's default, -1, shows "Epoch 0/-2".
+    steps_per_epoch = math.ceil(num_samples / args.devices) // args.batch_size
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
+        max_epochs=math.ceil(args.steps / steps_per_epoch),
         precision="bf16-mixed",
         logger=False,
         enable_checkpointing=False,
@@ -144,7 +150,7 @@ def main() -> None:
     )
     module = LoRAFineTune(str(base))
     data = StrideDataModule(
-        num_samples=64 * args.batch_size, seq_len=args.seq_len, vocab_size=vocab_size, batch_size=args.batch_size
+        num_samples=num_samples, seq_len=args.seq_len, vocab_size=vocab_size, batch_size=args.batch_size
     )
     trainer.fit(module, data)
     checkpoint = out / "checkpoints" / "finetuned.ckpt"

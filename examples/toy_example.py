@@ -70,6 +70,7 @@ def main() -> None:
         devices=args.ws,
         strategy=GaudiFSDPStrategy(),
         max_steps=args.iterations,
+        max_epochs=1,  # one pass over RankRow is the run; without it the progress bar shows "Epoch 0/-2"
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,

@@ -25,9 +25,18 @@ def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complet
     return run_command([sys.executable, *args], cwd=cwd, timeout=timeout)
 
 
+def _assert_epochs_shown(output: str, last: int) -> None:
+    """The progress bar counts epochs up to the last one the run trains: a step-bounded run with Lightning's default
+    ``max_epochs=-1`` shows "Epoch 0/-2" (Rich's bar shows ``/last``; Lightning's TQDM bar, without rich, none)."""
+    shown = re.findall(r"Epoch (\d+)/(-?\d+)", output)
+    assert shown or re.search(r"Epoch 0\b", output), output[-2000:]
+    assert {total for _, total in shown} <= {str(last)}, shown
+
+
 def test_toy_example_trains_on_two_cpu_processes(tmp_path):
     proc = _run([str(ROOT / "examples" / "toy_example.py"), "--iterations", "3", "--ws", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_epochs_shown(proc.stdout, last=0)
     assert "Running on CPU processes (gloo), no Gaudi found with 2 processes" in proc.stdout
     assert "rank 0: All done" in proc.stdout
     assert "rank 1: All done" in proc.stdout
@@ -95,6 +104,7 @@ def test_llama_rehearsal_trains_from_its_printed_config_and_loss_falls(tmp_path,
     assert re.search(r"KV cache in training +: off in model, model.model \(activation checkpointing\)", proc.stderr)
     match = re.search(r"loss: first=([\d.]+) last=([\d.]+) steps=40", proc.stdout)
     assert match, proc.stdout[-2000:]
+    _assert_epochs_shown(proc.stdout, last=0)  # the 40 steps take part of the config's one epoch
     first, last = map(float, match.groups())
     assert last < 0.6 * first
     # throughput: tokens/s measured; MFU not available on CPU, with the reason (on Gaudi it is logged: test_throughput)
@@ -193,6 +203,7 @@ def test_finetune_hf_round_trip_loads_lora_trains_and_exports(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     match = re.search(r"CPU processes \(no Gaudi found\): loss: first=([\d.]+) last=([\d.]+) steps=24", proc.stdout)
     assert match, proc.stdout[-2000:]
+    _assert_epochs_shown(proc.stdout, last=0)  # 24 steps of 32 per epoch (64 batches shared by 2 ranks)
     first, last = map(float, match.groups())
     assert last < first  # the adapters learn; the base started from its pretrained weights (first < ln(128) = 4.85)
     assert first < 3.0

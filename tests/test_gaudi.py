@@ -305,7 +305,7 @@ def test_doctor_says_whether_the_fsdp2_engine_can_run(monkeypatch):
         return next(row for row in rendered.splitlines() if "FSDP2 engine" in row and not row.startswith("fix"))
 
     if _compat.FSDP2_FORCE_SUM_REDUCTION:
-        assert line().endswith("available: fully_shard, SUM reductions on hccl, HPU kernels registered")
+        assert line().endswith("available: fully_shard (HPU kernels not checked for a cpu target)")
         assert line().startswith("[ok  ]")
     monkeypatch.setattr(_compat, "FSDP2_FORCE_SUM_REDUCTION", False)
     assert line() == (
@@ -314,3 +314,33 @@ def test_doctor_says_whether_the_fsdp2_engine_can_run(monkeypatch):
     )
     rendered = _doctor.render(_doctor.run_checks("cpu"))
     assert "This machine can run GaudiFSDPStrategy with accelerator='cpu'." in rendered  # a warning, not blocking
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_doctor_judges_fsdp2s_hpu_kernels_only_for_an_hpu_target(fake_gaudi, monkeypatch, capsys, kernels):
+    """A torch without FSDP2's HPU kernels (this one has them: the probe stands in for another build) is a warning for
+    ``--accelerator hpu`` only; a CPU rehearsal never runs those kernels."""
+    from lightning_gaudi_fsdp import _compat, _doctor
+    from lightning_gaudi_fsdp.cli import main
+
+    if not _compat.FSDP2_FORCE_SUM_REDUCTION:
+        pytest.skip("the FSDP2 engine needs torch >= 2.8")
+    monkeypatch.setattr(_doctor, "fsdp2_hpu_kernels", lambda: kernels)
+    fix = "fix: FSDP2 engine (fsdp_version=2): this torch registers no HPU kernels for FSDP2's copy-in ops"
+
+    def engine_line(out: str) -> str:
+        return next(row for row in out.splitlines() if "FSDP2 engine" in row and not row.startswith("fix"))
+
+    assert main(["doctor", "--accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert engine_line(out) == (
+        "[ok  ] FSDP2 engine (fsdp_version=2)  available: fully_shard (HPU kernels not checked for a cpu target)"
+    )
+    assert fix not in out
+    assert main(["doctor", "--accelerator", "hpu"]) == 0  # the fake bridge is healthy; a warning never blocks
+    out = capsys.readouterr().out
+    status, state = ("ok  ", "registered") if kernels else ("warn", "missing")
+    assert engine_line(out) == (
+        f"[{status}] FSDP2 engine (fsdp_version=2)  available: fully_shard, SUM reductions on hccl, HPU kernels {state}"
+    )
+    assert (fix in out) is not kernels

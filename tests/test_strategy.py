@@ -263,3 +263,38 @@ def test_trainer_weights_only_is_read_from_the_running_trainer_call():
     assert _fit_weights_only(trainer) is None
     if "weights_only" in inspect.signature(L.Trainer.fit).parameters:
         assert "weights_only" in inspect.signature(L.Trainer._run).parameters
+
+
+def _fingerprint(sharding: str = "FULL_SHARD", **units: int) -> dict[str, object]:
+    return {"sharding_strategy": sharding, "units": units or {"": 10, "net.0": 20}}
+
+
+@pytest.mark.parametrize(
+    ("fingerprints", "expected"),
+    [
+        ([_fingerprint(), _fingerprint()], None),
+        (
+            [_fingerprint(), _fingerprint(**{"": 10, "net.0": 21})],
+            "rank 0 vs rank 1: unit 'net.0' holds 20 vs 21 parameters",
+        ),
+        (
+            [_fingerprint(), _fingerprint(), _fingerprint("SHARD_GRAD_OP")],
+            "rank 0 vs rank 2: sharding_strategy FULL_SHARD vs SHARD_GRAD_OP",
+        ),
+        ([_fingerprint(), _fingerprint(**{"": 30})], "rank 0 vs rank 1: 2 FSDP units ['', 'net.0'] vs 1 units ['']"),
+    ],
+    ids=["agree", "a unit size", "sharding on rank 2", "the units"],
+)
+def test_every_rank_builds_the_same_disagreement_message_from_the_gathered_fingerprints(fingerprints, expected):
+    """check_ranks_agree raises this message on every rank: each gets the same list, whichever fingerprint is its own
+    (a rank that differs from rank 0 used to describe rank 0 against itself and raise StopIteration)."""
+    from lightning_gaudi_fsdp import _report
+
+    message = _report.disagreement(fingerprints)
+    if expected is None:
+        assert message is None
+    else:
+        assert message == (
+            f"ranks disagree on the FSDP configuration ({expected}); every rank must build the same model with the "
+            "same strategy arguments"
+        )

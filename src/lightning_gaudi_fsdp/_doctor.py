@@ -35,10 +35,17 @@ def _lightning_habana() -> Check:
     return Check("lightning-habana", f"{version} (imports; its HPUAccelerator is accepted)")
 
 
-def _fsdp2_engine() -> Check:
-    """Whether ``fsdp_version=2`` can run on this torch, and whether FSDP2's own kernels are registered for HPU."""
+def fsdp2_hpu_kernels() -> bool:
+    """Whether this torch registers FSDP2's copy-in kernels for HPU (what ``fully_shard`` runs on Gaudi)."""
     import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
 
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fsdp::all_gather_copy_in", "HPU")
+
+
+def _fsdp2_engine(on_hpu: bool) -> Check:
+    """Whether ``fsdp_version=2`` can run on this torch and, for an HPU target (``on_hpu``), whether FSDP2's own
+    kernels are registered for HPU (a CPU rehearsal never runs them)."""
     if not _compat.FSDP2_FORCE_SUM_REDUCTION:
         return Check(
             "FSDP2 engine (fsdp_version=2)",
@@ -46,9 +53,11 @@ def _fsdp2_engine() -> Check:
             ok=False,
             fix="the default engine (fsdp_version=1) works on this torch; FSDP2 needs a container with torch >= 2.8",
         )
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
-
-    hpu = torch._C._dispatch_has_kernel_for_dispatch_key("fsdp::all_gather_copy_in", "HPU")
+    if not on_hpu:
+        return Check(
+            "FSDP2 engine (fsdp_version=2)", "available: fully_shard (HPU kernels not checked for a cpu target)"
+        )
+    hpu = fsdp2_hpu_kernels()
     return Check(
         "FSDP2 engine (fsdp_version=2)",
         f"available: fully_shard, SUM reductions on hccl, HPU kernels {'registered' if hpu else 'missing'}",
@@ -84,7 +93,7 @@ def run_checks(accelerator: str = "auto") -> list[Check]:
         Check("torch", versions["torch"]),
         Check("lightning", versions["lightning"]),
         _pairing(versions["torch"], versions["lightning"]),
-        _fsdp2_engine(),
+        _fsdp2_engine(on_hpu),
         Check("lightning-gaudi-fsdp", versions["lightning-gaudi-fsdp"]),
         _lightning_habana(),
         Check(

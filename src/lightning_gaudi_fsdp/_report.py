@@ -119,6 +119,21 @@ def fingerprint(model: Module, sharding: str) -> dict[str, object]:
     return {"sharding_strategy": sharding, "units": units}
 
 
+def disagreement(fingerprints: list[dict[str, object]]) -> str | None:
+    """The error every rank raises when the gathered ``fingerprints`` (one per rank, in rank order) differ, or None.
+    Each rank is compared with rank 0, so every rank builds the same message naming rank 0, the first rank that
+    differs from it and their first difference."""
+    first = fingerprints[0]
+    rank = next((r for r, other in enumerate(fingerprints) if other != first), None)
+    if rank is None:
+        return None
+    return (
+        f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: "
+        f"{describe_difference(first, fingerprints[rank])}); every rank must build the same model with the same "
+        "strategy arguments"
+    )
+
+
 def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
     if a["sharding_strategy"] != b["sharding_strategy"]:
         return f"sharding_strategy {a['sharding_strategy']} vs {b['sharding_strategy']}"

@@ -483,13 +483,29 @@ def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) 
     """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
     if prepared is None:
         return
-    written = pretrained.load(model, prepared)
+    written = pretrained.load(model, prepared, fsdp_device(door))
     log.info(
         "rank %d: %d pretrained elements read from %s into its shards",
         door.global_rank,
         written,
         door._pretrained.path,
     )
+
+
+def setup_hand_wrapped(door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+    """A model whose FSDP units the user wrapped by hand (``wrap()`` in ``configure_model`` or under
+    ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
+    activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for a
+    model the strategy wraps, and the batch dtypes kept at the root."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    plan_pretrained(door, model)  # refuses pretrained_weights for a model wrapped by hand
+    model = lightning_setup(model)
+    if door._activation_checkpointing_kwargs:
+        door._cache_off_in_training = activation.apply_cache_off_in_training(model)
+    if isinstance(model, FSDP):
+        keep_batch_dtypes(door, model)
+    return model
 
 
 def keep_batch_dtypes(door: Any, model: Module) -> None:
@@ -630,14 +646,9 @@ def check_ranks_agree(door: Any, model: Module) -> list[int]:
     flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
     fingerprint = _report.fingerprint(model, door.sharding_strategy.name)
     gathered_pairs = gather_objects((fingerprint, _report.held_elements(model)), door.world_size)
-    gathered = [pair[0] for pair in gathered_pairs]
-    for rank, other in enumerate(gathered):
-        if other != fingerprint:
-            diff = _report.describe_difference(gathered[0], other)
-            raise ValueError(
-                f"ranks disagree on the FSDP configuration (rank 0 vs rank {rank}: {diff}); every rank must "
-                "build the same model with the same strategy arguments"
-            )
+    message = _report.disagreement([pair[0] for pair in gathered_pairs])
+    if message is not None:
+        raise ValueError(message)
     return [pair[1] for pair in gathered_pairs]
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -39,6 +39,14 @@ def _trusting(args: argparse.Namespace, path: str) -> bool:
     return bool(args.trust_checkpoint)
 
 
+def _writers(info: dict[str, Any]) -> str:
+    """The ``world size (writer)`` row: any for a full file (it loads at any size), the recorded number of ranks
+    that wrote a sharded or local checkpoint, "unknown" where none was recorded."""
+    if info["format"] == "full":
+        return "any (full file)"
+    return "unknown" if info["world_size"] is None else str(info["world_size"])
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint.convert import describe
     from lightning_gaudi_fsdp.checkpoint.storage import human_bytes
@@ -51,7 +59,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("path", info["path"]),
         ("format", info["format"]),
         ("engine (writer)", info["engine"]),
-        ("world size (writer)", "any (full file)" if info["world_size"] is None else str(info["world_size"])),
+        ("world size (writer)", _writers(info)),
         ("parameters", f"{info['parameters']:,}"),
         ("bytes", human_bytes(info["bytes"])),
         ("dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["dtypes"].items()) or "-"),

@@ -147,10 +147,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             if not fsdp2.is_fsdp2(module):
                 _shared.shard_fsdp2(self, module)
         elif any(isinstance(m, FSDP) for m in module.modules()):
-            _shared.plan_pretrained(self, module)  # refuses pretrained_weights for a model wrapped by hand
-            module = super().setup_module(module)  # wrapped by hand in init_module: Lightning's path
-            if isinstance(module, FSDP):
-                _shared.keep_batch_dtypes(self, module)
+            module = _shared.setup_hand_wrapped(self, module, super().setup_module)  # wrapped in init_module
         else:
             module = _shared.wrap_fsdp1(self, module)
         if self._compile_kwargs is not None:

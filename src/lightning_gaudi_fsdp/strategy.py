@@ -27,7 +27,6 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -232,12 +231,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
         elif any(isinstance(m, FSDP) for m in model.modules()):
-            _shared.plan_pretrained(self, model)  # refuses pretrained_weights for a model wrapped by hand
-            model = super()._setup_model(model)  # applies self._activation_checkpointing_kwargs too
-            if self._activation_checkpointing_kwargs:
-                self._cache_off_in_training = activation.apply_cache_off_in_training(model)
-            if isinstance(model, FSDP):
-                _shared.keep_batch_dtypes(self, model)
+            model = _shared.setup_hand_wrapped(self, model, super()._setup_model)
         else:
             self._warn_if_precision_overlaps()
             model = _shared.wrap_fsdp1(self, model)
@@ -322,17 +316,25 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        if not self.kwargs.get("use_orig_params"):
-            module = self.lightning_module
-            optimizers = module.configure_optimizers() if module is not None else None
-            groups = _count_param_groups(optimizers)
-            if groups > 1:
-                raise ValueError(
-                    f"configure_optimizers returned {groups} parameter groups, which needs use_orig_params=True "
-                    "(with use_orig_params=False FSDP flattens each unit into one parameter and the groups cannot be "
-                    "kept apart)"
-                )
-        super().setup_optimizers(trainer)
+        # configure_optimizers runs once, inside Lightning's setup (a hook may have side effects); its optimizers
+        # are checked afterwards, also when Lightning refused them, so that the cause named is the groups.
+        try:
+            super().setup_optimizers(trainer)
+        except ValueError as err:
+            self._refuse_parameter_groups(err)
+            raise
+        self._refuse_parameter_groups(None)
+
+    def _refuse_parameter_groups(self, cause: ValueError | None) -> None:
+        if self.kwargs.get("use_orig_params"):
+            return
+        groups = max((len(optimizer.param_groups) for optimizer in self.optimizers), default=0)
+        if groups > 1:
+            raise ValueError(
+                f"configure_optimizers returned {groups} parameter groups, which needs use_orig_params=True "
+                "(with use_orig_params=False FSDP flattens each unit into one parameter and the groups cannot be "
+                "kept apart)"
+            ) from cause
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -545,24 +547,6 @@ def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator
             del module.forward
         for hook in hooks:
             hook.remove()
-
-
-def _count_param_groups(optimizers: Any) -> int:
-    from torch.optim import Optimizer
-
-    found: list[Optimizer] = []
-
-    def visit(item: Any) -> None:
-        if isinstance(item, Optimizer):
-            found.append(item)
-        elif isinstance(item, dict):
-            visit(item.get("optimizer"))
-        elif isinstance(item, list | tuple):
-            for sub in item:
-                visit(sub)
-
-    visit(optimizers)
-    return max((len(opt.param_groups) for opt in found), default=0)
 
 
 def _then_wait_for_copies(closure: Callable[[], Any], strategy: GaudiFSDPStrategy) -> Any:

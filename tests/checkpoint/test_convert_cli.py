@@ -74,6 +74,27 @@ def test_inspect_describes_each_format(saved, fmt):
     assert re.search(rf"^format\s+{fmt}$", out.stdout, re.M)
     assert re.search(r"^engine \(writer\)\s+FSDP1$", out.stdout, re.M)
     assert re.search(rf"^parameters\s+{PARAMS:,}$", out.stdout, re.M)
+    writers = "any (full file)" if fmt == "full" else "2"  # recorded by the 2 ranks that wrote it
+    assert re.search(rf"^world size \(writer\)\s+{re.escape(writers)}$", out.stdout, re.M)
+
+
+def _world_size_row(ckpt) -> str:
+    out = _cli("inspect", str(ckpt))
+    assert out.returncode == 0, out.stderr
+    return next(row for row in out.stdout.splitlines() if row.startswith("world size (writer)")).split(None, 3)[-1]
+
+
+def test_inspect_says_unknown_for_a_sharded_checkpoint_without_the_writers_world_size(saved, tmp_path):
+    """A sharded checkpoint from before the world size was recorded: its two shard files say nothing about how many
+    ranks wrote it (a writer may leave some ranks without a file, or write them all from one process)."""
+    ckpt = tmp_path / "old.ckpt"
+    shutil.copytree(saved["sharded"][0], ckpt)
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    assert meta.pop("gaudi_fsdp_world_size") == 2
+    torch.save(meta, ckpt / "meta.pt")
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    assert describe(ckpt)["world_size"] is None
+    assert _world_size_row(ckpt) == "unknown"
 
 
 def _plain_module_output(checkpoint_path) -> torch.Tensor:
@@ -118,6 +139,8 @@ def test_convert_to_sharded_then_load_on_two_ranks(saved, tmp_path, scenario, sr
     out = _cli("convert", str(ckpt), str(dst), "--to", "sharded")
     assert out.returncode == 0, out.stderr
     assert describe(dst)["format"] == "sharded"
+    # one process wrote whole tensors for any number of ranks: no writer's world size applies
+    assert _world_size_row(dst) == "unknown"
     # Resume at max_steps=3: the run only loads; its weights must be the converted ones.
     loaded = scenario(
         {"strategy": {"auto_wrap_policy": [BLOCK]}, "max_steps": 3, "ckpt_path": str(dst), "module": {"n_samples": 64}}

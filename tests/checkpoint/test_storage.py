@@ -4,6 +4,7 @@ check, clean-up, commit, and ``convert`` writing its output. The same protocol a
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import pickle
 import re
@@ -67,6 +68,26 @@ def test_the_estimate_counts_a_shared_storage_once_and_a_dcp_tensor_by_its_eleme
     # torch.save writes the 4000-byte storage once; DCP writes each tensor's own elements (2000 + 2000 + 4000)
     assert storage.estimate_bytes(views) - storage.estimate_bytes({"all": base}) < 1000
     assert storage.estimate_bytes(views, tensors="elements") - storage.estimate_bytes({}, tensors="elements") > 8000
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_size_estimate_that_fails_skips_the_free_space_check_with_a_warning(tmp_path, caplog, check):
+    """A sparse tensor has no storage to count: the estimate raises instead of returning the partial count of what
+    came before it (about 4 KiB for the ~0.6 MiB written here), and the save goes ahead unchecked, saying so when the
+    check was asked for."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 9]]), torch.ones(2), (10,))
+    checkpoint = {"sparse": sparse, **_checkpoint()}
+    with pytest.raises(NotImplementedError, match="Cannot access storage of SparseTensorImpl"):
+        storage.estimate_bytes(checkpoint)
+    path = tmp_path / "x.ckpt"
+    with caplog.at_level(logging.WARNING, logger=storage.__name__):
+        formats.save("full", checkpoint, path, rank=0, world_size=1, gather=lambda obj: [obj], check_free_space=check)
+    expected = (
+        f"[rank 0] the free-space check before saving {str(path)!r} did not run: the size of this rank's part could "
+        "not be estimated (NotImplementedError: Cannot access storage of SparseTensorImpl); saving without it"
+    )
+    assert caplog.messages == ([expected] if check else [])
+    assert torch.equal(torch.load(path, weights_only=True)["sparse"].to_dense(), sparse.to_dense())
 
 
 def test_the_free_space_check_is_on_unless_the_argument_or_the_environment_turns_it_off(monkeypatch):
@@ -254,6 +275,25 @@ def test_commit_puts_the_previous_checkpoint_back_when_the_rename_fails(tmp_path
         commit.commit(staging, path)
     assert (path / "meta.pt").read_text() == "previous"
     assert sorted(os.listdir(tmp_path)) == [".x.ckpt.partial", "x.ckpt"]
+
+
+def test_recover_on_every_rank_at_once_restores_the_checkpoint_without_an_error(tmp_path, monkeypatch):
+    """Two ranks sharing a file system both find ``.x.ckpt.old`` after a crash between commit's renames; the one
+    that loses the race must see the checkpoint restored, not a FileNotFoundError."""
+    path = tmp_path / "x.ckpt"
+    old = tmp_path / ".x.ckpt.old"
+    old.mkdir()
+    (old / "meta.pt").write_text("previous")
+    real = os.replace
+
+    def other_rank_first(src, dst):
+        real(src, dst)  # the other rank's restore lands between this rank's check and its rename
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_rank_first)
+    commit.recover(path)
+    assert (path / "meta.pt").read_text() == "previous"
+    assert sorted(os.listdir(tmp_path)) == ["x.ckpt"]
 
 
 # ----------------------------------------------------------------------------------------------------- convert

@@ -196,7 +196,7 @@ def _bad_copy(own: dict[str, Path], fmt: str, target: str, tmp_path: Path) -> tu
         ckpt = torch.load(own["full"], weights_only=False)
         ckpt["optimizer_states"][0]["param_groups"][0]["payload"] = Payload(marker)
         path.mkdir()
-        formats._save_sharded(convert._sharded_from_full(ckpt, []), path, rank=0, no_dist=True)
+        formats._save_sharded(convert._sharded_from_full(ckpt, []), path, rank=0, world_size=None, no_dist=True)
         shutil.copy(own["sharded"] / formats.SHARDED_METADATA, path)  # the payload only in the entry
     else:
         file = path if path.is_file() else path / target

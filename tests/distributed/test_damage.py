@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -86,6 +88,23 @@ def test_local_shard_missing_on_one_rank_fails_on_every_rank(checkpoints, scenar
     (ckpt / "rank_00001.pt").unlink()
     run = _load_fails(scenario, ckpt, "local", "the shard of rank 1 is missing (rank_00001.pt) (reported by rank 1)")
     assert run.proc.stderr.count("reported by rank 1") >= 2  # rank 0 raised it too instead of waiting
+
+
+def test_any_exception_on_one_rank_while_checking_a_load_fails_on_every_rank(checkpoints, scenario, tmp_path):
+    """Not only a CheckpointError: whatever one rank raises while checking the checkpoint reaches every rank as one
+    error naming that rank and the exception, in bounded time, instead of leaving the others in the agreement's
+    gather. Here rank 1's shard holds a number where its model state should be (a TypeError in rank 1's check)."""
+    ckpt = _copy(checkpoints["local"][0], tmp_path)
+    torch.save({"model": 3}, ckpt / "rank_00001.pt")
+    started = time.monotonic()
+    problem = "TypeError: argument of type 'int' is not iterable (reported by rank 1)"
+    run = _load_fails(scenario, ckpt, "local", problem)
+    assert time.monotonic() - started < 60  # the strategy's timeout is 30 s: nobody waited it out
+    for rank in (0, 1):  # each rank's own traceback ends with the same error
+        stderr = (run.out / f"rank{rank}.stderr").read_text()
+        error = re.escape(f"CheckpointError: Cannot load checkpoint '{ckpt}': {problem}")
+        line = rf"^\[rank{rank}\]: \S*{error}$"
+        assert re.search(line, stderr, re.MULTILINE), f"rank {rank}: {stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])

@@ -4,6 +4,7 @@ with the Trainer's strategy."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -105,7 +106,8 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     assert info["scheduler_last_epoch"] == 3
     assert info["lr_after_load"] == 0.005
     assert info["loaded"] == {"epoch": 1, "global_step": 3}
-    assert info["remainder_keys"] == []
+    assert info["remainder_keys"] == []  # nothing of the package's own record (engine, world size) comes back
+    assert describe(ckpt)["world_size"] == (None if fmt == "full" else 2)  # the writers, as `inspect` shows them
     assert info["missing_error"] == (
         f"CheckpointError: Cannot load checkpoint '{ckpt}.missing': no such file or directory (reported by rank 0)"
     )
@@ -196,3 +198,20 @@ def test_checkpoints_cross_between_the_trainer_and_fabric(scenario, tmp_path):
     _assert_equal_nested(start["weights"], written["weights"], "weights")
     _assert_equal_nested(start["optimizer"], written["optimizer"], "optimizer")
     assert start["schedulers"] == [written["scheduler"]]
+
+
+def test_hand_wrapped_transformers_model_trains_without_its_kv_cache_under_activation_checkpointing(scenario):
+    """Layers wrapped by hand under fabric.init_module(), activation checkpointing from the strategy: as through the
+    Trainer's door, a training forward builds no KV cache although config.use_cache is on (on transformers 4.x a cache
+    makes the recomputation fail with CheckpointError); evaluation keeps it."""
+    pytest.importorskip("transformers")
+    run = scenario({}, script="fabric_hand_wrapped.py")
+    for r in (0, 1):
+        info = run.rank(r)
+        assert info["use_cache"] is True
+        assert info["checkpoint_wrappers"] == 2  # both decoder layers are recomputed in backward
+        assert info["cache_in_training"] == [False, False]
+        assert info["cache_in_evaluation"] is True
+        assert all(math.isfinite(loss) for loss in info["losses"])
+    output = run.proc.stdout + run.proc.stderr
+    assert re.search(r"KV cache in training +: off in <root>, model \(activation checkpointing\)", output)

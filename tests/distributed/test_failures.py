@@ -164,7 +164,15 @@ def test_ranks_with_different_wrap_policies_are_reported_not_deadlocked(scenario
     )
     assert run.proc.returncode != 0
     assert time.monotonic() - started < BOUND_S
-    assert "ranks disagree on the FSDP configuration (rank 0 vs rank 1: 4 FSDP units" in run.proc.stderr
+    # Every rank raises the same ValueError, the rank that differs from rank 0 included (not a bare StopIteration).
+    for rank in (0, 1):
+        stderr = (run.out / f"rank{rank}.stderr").read_text()
+        assert re.search(
+            rf"^\[rank{rank}\]: ValueError: ranks disagree on the FSDP configuration \(rank 0 vs rank 1: 4 FSDP "
+            r"units \[.*\] vs 1 units \[''\]\); every rank must build the same model with the same strategy arguments",
+            stderr,
+            re.MULTILINE,
+        ), f"rank {rank}: {stderr[-3000:]}"  # its own traceback's last line, not the survivor's note about rank 0
 
 
 def test_ranks_never_outlive_the_launcher_that_started_them(scenario):

@@ -5,6 +5,7 @@ bitwise the file's, then fine-tuned equal to one process that called ``from_pret
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,18 @@ def test_each_rank_adds_well_below_one_model_of_memory_while_loading(scenario, t
         assert ratio < 0.75, f"rank {r} added {ratio:.2f} models of memory while loading"
         assert 0.45 < info["held"] * 4 / model_bytes < 0.55  # of which its shard is half
         assert info["meta_after_configure_model"] is True
+
+
+def test_ignored_modules_get_the_files_weights_too(scenario, llama_dir):
+    """FSDP1 leaves ``ignored_modules`` unmanaged, so they stay on the meta device while the units are filled: the
+    strategy loads them whole from the file as well (a parameter left on meta fails training far from the cause)."""
+    ignored = "model.model.norm"  # the LightningModule holds the Llama as self.model
+    cfg = {"weights": str(llama_dir), "prefix": "model.", "engine": 1, "door": "trainer", "steps": 1}
+    run = scenario({**cfg, "strategy": {"ignored_modules": [ignored]}}, script="pretrained.py")
+    final = run.final()
+    expected = file_tensors(llama_dir)
+    assert final["loaded"].keys() == expected.keys()
+    assert not final["loaded"]["model.norm.weight"].is_meta
+    different = [k for k, v in expected.items() if not torch.equal(final["loaded"][k], v)]
+    assert different == []  # the ignored norm included: bitwise the file's
+    assert all(math.isfinite(loss) for r in range(2) for loss in run.rank(r)["losses"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import zipfile
@@ -329,3 +331,30 @@ def test_local_checkpoint_converted_offline_resumes_exactly(
     assert convert(local, converted, to) == []  # nothing dropped
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(converted)})
     _assert_same_run(resumed.final(), straight)
+    _without_optimizer_names_converts_the_weights_with_a_note(local, converted, to, tmp_path)
+
+
+def _without_optimizer_names_converts_the_weights_with_a_note(local: Path, converted: Path, to: str, tmp: Path) -> None:
+    """A local checkpoint that does not name its optimizer parameters (written by an older version): the command
+    converts the weights and says, in one note, that the optimizer state was left out; the same on either engine."""
+    import shutil
+
+    from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
+    from lightning_gaudi_fsdp.checkpoint.formats import LOCAL_METADATA
+    from lightning_gaudi_fsdp.cli import main
+
+    unnamed, target = tmp / "unnamed", tmp / f"unnamed-{to}"
+    shutil.copytree(local, unnamed)
+    meta = json.loads((unnamed / LOCAL_METADATA).read_text())
+    del meta["optimizer_param_names"]
+    (unnamed / LOCAL_METADATA).write_text(json.dumps(meta))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["convert", str(unnamed), str(target), "--to", to])
+    assert code == 0, err.getvalue()
+    assert re.findall(r"note: [^\n]*", err.getvalue()) == [
+        "note: this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"
+    ]
+    weights_only, _ = load_full_state(target)
+    assert "optimizer_states" not in weights_only
+    _assert_equal_nested(weights_only["state_dict"], load_full_state(converted)[0]["state_dict"], "state_dict")

@@ -116,6 +116,8 @@ def test_no_shard_keeps_full_parameters_and_use_orig_params_false(scenario):
     assert unit["sharding_strategy"] == "NO_SHARD"
     assert unit["use_orig_params"] is False
     assert unit["local_numel"] == unit["unsharded_numel"]
+    # the user's configure_optimizers (a hook that may count, or build a scheduler from the stepping batches) ran once
+    assert [run.rank(r)["configure_optimizers_calls"] for r in (0, 1)] == [1, 1]
 
 
 def test_size_based_policy_from_an_int(scenario):

@@ -92,6 +92,7 @@ class Module(L.LightningModule):
                 for p in self.net.parameters():
                     p.fill_(0.01 * (rank + 1))
         self.seen_dtypes: dict[str, str] = {}
+        self.configure_optimizers_calls = 0  # a hook with a side effect: Lightning must call it once per fit
 
     def _maybe_fail(self, where: str, step: int = 0) -> None:
         fails = self.hparams.fail if isinstance(self.hparams.fail, list) else [self.hparams.fail]
@@ -167,6 +168,7 @@ class Module(L.LightningModule):
         return DataLoader(RandomRegression(64, seed=99), batch_size=self.hparams.batch_size)
 
     def configure_optimizers(self) -> Any:
+        self.configure_optimizers_calls += 1
         params = self.trainer.model.parameters() if self.trainer.model is not None else self.parameters()
         if self.hparams.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=self.hparams.lr)

@@ -95,6 +95,7 @@ class Probe(Callback):
         info["losses"] = self.losses
         info["global_step"] = trainer.global_step
         info["seen_dtypes"] = pl_module.seen_dtypes
+        info["configure_optimizers_calls"] = getattr(pl_module, "configure_optimizers_calls", None)
         info["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
         info["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
         info["precision_plugin"] = type(trainer.strategy.precision_plugin).__name__

@@ -93,11 +93,18 @@ def commit(staging: Path, path: str | os.PathLike[str]) -> Path:
 
 
 def recover(path: str | os.PathLike[str]) -> None:
-    """Restore ``path`` from ``.<name>.old`` when a crash happened between the two renames of :func:`commit`."""
+    """Restore ``path`` from ``.<name>.old`` when a crash happened between the two renames of :func:`commit`.
+
+    Every rank may call this for the same path at once (a shared file system): the rank that loses the race to
+    another rank's restore finds the ``.old`` gone and ``path`` in place, which is success, not an error."""
     path = Path(path)
     old = _old_path(path)
     if not path.exists() and old.exists():
-        os.replace(old, path)
+        try:
+            os.replace(old, path)
+        except FileNotFoundError:
+            if not path.exists():
+                raise
 
 
 def discard(path: str | os.PathLike[str]) -> None:

@@ -9,6 +9,7 @@ checkpoint keyed by id without recorded names, or a local one written by an olde
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
     SHARDED_METADATA,
+    WORLD_SIZE_KEY,
     CheckpointError,
     _save_sharded,
     bytes_to_write,
@@ -71,6 +73,8 @@ def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
 
 def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
     """Format, writer's world size, parameter count and bytes, dtypes, optimizer presence, epoch/step, versions.
+    ``world_size`` is None for a full file and where a sharded checkpoint has no record of it (written before it was
+    recorded, or by ``convert``, whose single process writes for any world size).
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     path = Path(path)
@@ -93,9 +97,8 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
         }
         meta_tensors = [torch.empty(md.size, dtype=md.properties.dtype, device="meta") for md in model.values()]
         info.update(_tensor_summary(meta_tensors))
-        files = {info_.relative_path for info_ in metadata.storage_data.values()}
         info.update(
-            world_size=len(files),
+            world_size=rest.get(WORLD_SIZE_KEY),  # None: not recorded (older checkpoints, convert's output)
             optimizer=any(k.startswith("optimizer_") for k in metadata.state_dict_metadata),
             **_trainer_fields(rest),
         )
@@ -144,6 +147,7 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     state: dict[str, Any] = {}
     read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
+    rest.pop(WORLD_SIZE_KEY, None)  # the writers of this checkpoint, not of what is made from it
     rest["state_dict"] = state.pop("model")
     optimizers = [state[k] for k in sorted(k for k in state if k.startswith("optimizer_"))]
     if optimizers:
@@ -170,22 +174,30 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     for entry in progress(layout, "unflattening parameters", len(layout)):
         state.update(unflatten(_join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
     rest["state_dict"] = state
+    join = functools.partial(_local_optimizer_to_full, layout=layout)
+    return rest, _join_local_optimizers(rest, meta, [shard.get("optimizer_states") or [] for shard in shards], join)
+
+
+def _join_local_optimizers(
+    rest: dict[str, Any],
+    meta: dict[str, Any],
+    per_rank: list[list[dict[str, Any]]],
+    join: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
+) -> list[str]:
+    """Into ``rest``: each optimizer's state joined from the ranks' ``per_rank`` states by ``join(states, names)``
+    (either engine's), keyed by the parameter names the local checkpoint records. Without those names the weights
+    still convert: the optimizer state is left out, and the note returned (also kept in ``conversion_notes``) says
+    so."""
     rest.pop("optimizer_states", None)
-    notes: list[str] = []
-    per_rank = [shard.get("optimizer_states") or [] for shard in shards]
+    if not per_rank[0]:
+        return []
     names = meta.get("optimizer_param_names")
-    if per_rank[0] and (names is None or len(names) != len(per_rank[0])):
-        notes.append(
-            "this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"
-        )
-    elif per_rank[0]:
-        rest["optimizer_states"] = [
-            _local_optimizer_to_full([states[i] for states in per_rank], names[i], layout)
-            for i in range(len(per_rank[0]))
-        ]
-    if notes:
+    if not isinstance(names, list) or len(names) != len(per_rank[0]):
+        notes = ["this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"]
         rest["conversion_notes"] = notes
-    return rest, notes
+        return notes
+    rest["optimizer_states"] = [join([states[i] for states in per_rank], names[i]) for i in range(len(names))]
+    return []
 
 
 def _fsdp2_local_to_full(
@@ -210,13 +222,7 @@ def _fsdp2_local_to_full(
         state[name] = torch.cat([shard["model"][name] for shard in shards], dim=0)
     rest["state_dict"] = state
     per_rank = [shard.get("optimizer_states") or [] for shard in shards]
-    optimizer_names = meta.get("optimizer_param_names") or []
-    if per_rank[0]:
-        rest["optimizer_states"] = [
-            _fsdp2_optimizer_to_full([states[i] for states in per_rank], optimizer_names[i])
-            for i in range(len(per_rank[0]))
-        ]
-    return rest, []
+    return rest, _join_local_optimizers(rest, meta, per_rank, _fsdp2_optimizer_to_full)
 
 
 def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
@@ -295,7 +301,7 @@ def convert(
         write = lambda: save_file(checkpoint, staging)  # noqa: E731
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
-        write = lambda: _save_sharded(checkpoint, staging, rank=0, no_dist=True)  # noqa: E731
+        write = lambda: _save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
     storage.write_atomically(
         dst,
         [write],

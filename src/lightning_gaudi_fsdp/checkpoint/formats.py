@@ -43,6 +43,9 @@ LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
 PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 ENGINE_KEY = "gaudi_fsdp_engine"  # the FSDP engine (1 or 2) that wrote the checkpoint, in its trainer state
+# sharded: the number of ranks that wrote it, in meta.pt (local checkpoints keep theirs in local_metadata.json); absent
+# where no world size applies (convert's single-process output) and in checkpoints written before it was recorded
+WORLD_SIZE_KEY = "gaudi_fsdp_world_size"
 
 
 def local_shard_name(rank: int) -> str:
@@ -291,7 +294,7 @@ def save(
     elif fmt == "full":
         writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
     elif fmt == "sharded":
-        writes = [lambda: _save_sharded(checkpoint, staging, rank, process_group=process_group)]
+        writes = [lambda: _save_sharded(checkpoint, staging, rank, world_size, process_group=process_group)]
     else:
         shard = {"model": model_state, "optimizer_states": optimizer_states}
         meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size}
@@ -357,16 +360,24 @@ def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict
 
 
 def _save_sharded(
-    checkpoint: dict[str, Any], staging: Path, rank: int, no_dist: bool = False, process_group: Any = None
+    checkpoint: dict[str, Any],
+    staging: Path,
+    rank: int,
+    world_size: int | None,
+    no_dist: bool = False,
+    process_group: Any = None,
 ) -> None:
-    """Lightning's sharded layout. ``no_dist``: one process writes full tensors (offline conversion); DCP reshards
-    them on load like any other."""
+    """Lightning's sharded layout. ``world_size``: the writers' number, recorded in the trainer state (None: not
+    recorded). ``no_dist``: one process writes full tensors (offline conversion); DCP reshards them on load like any
+    other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(model_state, optimizer_states)
     _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
+        if world_size is not None:
+            rest[WORLD_SIZE_KEY] = world_size
         save_file(rest, staging / SHARDED_METADATA)
 
 

@@ -20,6 +20,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
     SHARDED_METADATA,
+    WORLD_SIZE_KEY,
     CheckpointError,
     CheckpointFormat,
     detect_format,
@@ -268,6 +269,7 @@ def apply_load(
     """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
     path, rest = pending.path, pending.rest
     pending.optimizer_groups = rest.pop(OPTIMIZER_GROUPS_KEY, [])  # ours, not Lightning's: never handed back
+    rest.pop(WORLD_SIZE_KEY, None)  # likewise (shown by `inspect`)
     if fsdp2.is_fsdp2(model):
         _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers, device_type)
     elif pending.fmt == "full":

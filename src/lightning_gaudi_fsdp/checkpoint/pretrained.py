@@ -251,14 +251,17 @@ def empty_init(device: torch.device) -> Callable[[Module], None]:
 
 # ------------------------------------------------------------------------------------------------------ loading
 @torch.no_grad()
-def load(model: Module, prepared: Plan) -> int:
-    """Copy the rank's part of every planned parameter into the sharded ``model`` (FSDP1 or FSDP2). Returns the
-    number of elements written."""
+def load(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
+    """Copy the rank's part of every planned parameter into the sharded ``model`` (FSDP1 or FSDP2). Parameters no
+    FSDP unit manages (``ignored_modules``/``ignored_states``) are loaded whole; FSDP1 leaves them on the meta device,
+    so they get memory on ``device`` first. Returns the number of elements written."""
     from lightning_gaudi_fsdp.engine import fsdp2
 
-    if fsdp2.is_fsdp2(model):
-        return _load_fsdp2(model, prepared)
-    return _load_fsdp1(model, prepared)
+    materialize = empty_init(torch.device(device))
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            materialize(module)
+    return _load_fsdp2(model, prepared) if fsdp2.is_fsdp2(model) else _load_fsdp1(model, prepared)
 
 
 def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Callable[[int, int], torch.Tensor]:
@@ -332,7 +335,7 @@ def _load_unmanaged(model: Module, prepared: Plan, seen: set[str]) -> int:
     written = 0
     for raw, param in model.named_parameters():
         name = _clean(raw)
-        if name in seen or name not in prepared.entries or param.is_meta:
+        if name in seen or name not in prepared.entries:
             continue
         if isinstance(param, DTensor):
             continue

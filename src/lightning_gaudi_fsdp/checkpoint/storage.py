@@ -81,7 +81,11 @@ def local_tensors(value: Any) -> list[torch.Tensor] | None:
 def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage") -> int:
     """About how many bytes saving ``obj`` writes. ``"storage"``: as ``torch.save`` (each tensor's whole storage, once
     per storage); ``"elements"``: as torch's distributed checkpoint (each tensor's own elements; a sharded or
-    distributed tensor counts its local part). Everything else is measured by pickling it with the tensors left out."""
+    distributed tensor counts its local part). Everything else is measured by pickling it with the tensors left out.
+
+    Raises what that pass raises (a tensor without a storage, such as a sparse one; an object that cannot be
+    pickled): a count that stopped there would be too small. A save then skips its free-space check with a warning
+    (see :func:`write_atomically`)."""
     seen: set[tuple[int, int]] = set()
     totals = {"bytes": 0, "tensors": 0}
 
@@ -105,8 +109,7 @@ def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage"
             return totals["tensors"]
 
     sink = ByteCounter()
-    with contextlib.suppress(Exception):  # what cannot be pickled fails in the save itself, with its own message
-        _Pickler(sink, protocol=2).dump(obj)
+    _Pickler(sink, protocol=2).dump(obj)
     return sink.count + totals["bytes"] + totals["tensors"] * _PER_TENSOR_BYTES[tensors] + _PER_FILE_BYTES
 
 
@@ -123,11 +126,11 @@ class Target:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one rank is about to write, and where."""
+    """What one rank is about to write (``needed`` bytes; None: its estimate failed), and where."""
 
     rank: int
     target: Target
-    needed: int
+    needed: int | None
     check: bool
 
 
@@ -179,6 +182,12 @@ def _no_space(mount: str, needed: int | None, free: int | None) -> str:
     return f"no space left on {mount}: needed about {human_bytes(needed)}, {human_bytes(free)} free"
 
 
+def _needed(plans: Sequence[Plan]) -> int | None:
+    """The bytes ``plans`` write together; None when any of their estimates failed."""
+    sizes = [p.needed for p in plans]
+    return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+
+
 def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
     """Refusals, one per writing rank, for each file system whose free space is less than its ranks will write."""
     failures: list[Failure] = []
@@ -189,8 +198,8 @@ def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
             continue
         done.add(key)
         group = _same_file_system(plans, plan.target)
-        needed, free = sum(p.needed for p in group), min(p.target.free for p in group)
-        if needed <= free:
+        needed, free = _needed(group), min(p.target.free for p in group)
+        if needed is None or needed <= free:  # an estimate that failed was reported when it failed
             continue
         mount = plan.target.mount
         advice = (
@@ -322,13 +331,26 @@ class _Attempt:
                 if before is not None:
                     before()
                 commit.prepare_staging(self.path, self.directory)
-            return Plan(self.rank, probe(self.path.parent), needed(), check)
+            return Plan(self.rank, probe(self.path.parent), self.estimate(needed, check), check)
 
         self.plans = self.step("failed while preparing", plan)
         if self.plans[0].check:  # rank 0 decides, so every rank takes the same branch
             refused = shortfalls(self.plans)
             if refused:
                 self.fail(refused, None)
+
+    def estimate(self, needed: Callable[[], int], check: bool) -> int | None:
+        """``needed()``, or None with a warning (when ``check``) that the free-space check does not run: a partial
+        count would let a save that does not fit pass it."""
+        try:
+            return needed()
+        except Exception as err:  # noqa: BLE001 - the save itself reports what it cannot write
+            if check:
+                log.warning(
+                    f"[rank {self.rank}] the free-space check before saving {str(self.path)!r} did not run: the size "
+                    f"of this rank's part could not be estimated ({_first_line(err)}); saving without it"
+                )
+            return None
 
     def step(self, stage: str, action: Callable[[], Any]) -> list[Any]:
         """Run ``action``, then learn every rank's outcome; if any failed, every rank raises the same error."""
@@ -373,7 +395,7 @@ class _Attempt:
         own = next((p for p in self.plans if p.rank == self.rank), None)
         where = self.staging if self.directory else self.path.parent
         mount = own.target.mount if own else str(_mount_point(where))
-        needed = sum(p.needed for p in _same_file_system(self.plans, own.target)) if own else None
+        needed = _needed(_same_file_system(self.plans, own.target)) if own else None
         space = (_no_space(mount, needed, own.target.free if own else None), f"free space on {mount} or save elsewhere")
         read_only = (f"{mount} is a read-only file system", f"remount {mount} read-write or save elsewhere")
         gone = self._vanished(staging_made)
@@ -399,7 +421,7 @@ class _Attempt:
                 return read_only
             if not os.access(_nearest_existing(where), os.W_OK):
                 return f"permission denied for {str(where)!r}", f"make {str(where)!r} writable or save elsewhere"
-            if _free_bytes(where) < max(own.needed if own else 0, _FULL_BELOW_BYTES):
+            if _free_bytes(where) < max(own.needed or 0 if own else 0, _FULL_BELOW_BYTES):
                 return space
         return "", ""
 
@@ -454,7 +476,9 @@ def write_atomically(
     is prepared.
 
     Raises :class:`CheckpointSaveError` on every rank if any rank's step failed, or before any write if free space
-    is short (unless the check is off, see :func:`check_free_space_enabled`)."""
+    is short (unless the check is off, see :func:`check_free_space_enabled`). Where ``needed`` raises, that rank logs
+    the warning "the free-space check before saving PATH did not run: ..." and the file system it writes to is not
+    checked; the save goes on (and reports what it cannot write, if anything)."""
     path = Path(path)
     attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
     attempt.prepare(before, needed, check_free_space_enabled(check_free_space))
