@@ -162,6 +162,16 @@ def test_save_filter_is_refused_before_anything_is_written_except_for_full(tmp_p
         full.save_checkpoint(path, {"model": model}, filter={"model": 1})
 
 
+def test_save_refuses_a_state_entry_named_like_the_bookkeeping(tmp_path):
+    """The package's bookkeeping sits under one key of Fabric's layout: a user's entry may not take it (nor the
+    Trainer's names, which the readers take for the Trainer's layout)."""
+    path = tmp_path / "ckpt"
+    for key in ("gaudi_fsdp", "state_dict"):
+        with pytest.raises(ValueError, match=rf"state keys \['{key}'\] are reserved for the checkpoint's bookkeeping"):
+            GaudiFSDPStrategy().save_checkpoint(path, {"model": torch.nn.Linear(2, 2), key: 1})
+    assert not path.exists()
+
+
 @pytest.mark.fsdp2
 def test_fsdp2_refuses_an_optimizer_made_before_the_model_is_sharded():
     model = torch.nn.Linear(2, 2)

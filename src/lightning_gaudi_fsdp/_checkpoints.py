@@ -179,10 +179,12 @@ def load_agreed(
     weights_only: bool,
     load_optimizers: bool,
     raw: bool = False,
+    hints: loading.Hints = (None, ()),
 ) -> dict[str, Any]:
     """Check ``path`` against ``model`` on every rank; only when every rank passed, load it (model, optimizers).
     Returns the rest of the checkpoint. Any rank's problem raises :class:`~.formats.CheckpointError` on every rank
-    before a weight changes: nobody waits in a collective alone. ``raw``: see :func:`.loading.check_load`."""
+    before a weight changes: nobody waits in a collective alone. ``raw``, ``hints``: see
+    :func:`.loading.check_load`."""
     device_type = door.root_device.type
     pending = agreed(
         door,
@@ -196,6 +198,7 @@ def load_agreed(
             strict=strict,
             weights_only=weights_only,
             raw=raw,
+            hints=hints,
         ),
     )
     return loading.apply_load(

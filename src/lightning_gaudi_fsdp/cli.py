@@ -58,6 +58,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
+        ("layout", "Fabric (entries of the saved state)" if info["layout"] == "fabric" else "Trainer"),
         ("engine (writer)", info["engine"]),
         ("world size (writer)", _writers(info)),
         ("parameters", f"{info['parameters']:,}"),

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _checkpoints, _shared, precision
-from lightning_gaudi_fsdp.checkpoint import formats, loading
+from lightning_gaudi_fsdp.checkpoint import formats, loading, views
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
@@ -37,9 +37,7 @@ if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
     from lightning.fabric.utilities.types import _PATH
 
-FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # which entries of Fabric's `state` went where in the checkpoint
-_VERSION_KEY = "pytorch-lightning_version"  # the Trainer refuses a checkpoint without it
-_TRAINER_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", _VERSION_KEY)
+FABRIC_KEYS = views.FABRIC_KEYS  # which entries of Fabric's `state` went where in the checkpoint
 
 
 class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
@@ -53,14 +51,19 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     ``pretrained_weights``, a model built under ``fabric.init_module()`` gets its parameters on the meta device and
     ``setup_module`` fills each rank's shards from the file.
 
-    ``fabric.save(path, state)`` writes the Trainer's layout (``state_dict``, ``optimizer_states``,
-    ``lr_schedulers`` and every other entry under its own key) in the ``state_dict_type`` format, so the Trainer
-    resumes from it and Fabric loads the Trainer's checkpoints. ``filter={"model": lambda name, value: ...}`` keeps
-    only the entries a function accepts (``state_dict_type="full"`` only). ``fabric.load(path, state)`` detects the
-    format on disk, checks it on every rank before any weight changes, restores the model, the optimizers and every
-    object with ``load_state_dict`` (schedulers...) in place, and puts plain values back into ``state``.
-    ``fabric.load_raw(path, obj)`` loads a model (set up or not) or an optimizer from any checkpoint of either door or
-    from a plain ``torch.save`` of a state dict.
+    ``fabric.save(path, state)`` writes Lightning Fabric's layout in the ``state_dict_type`` format: each entry of
+    ``state`` under its own key (the model as its full state dict, an optimizer as its state keyed by parameter name,
+    as Lightning's Fabric ``FSDPStrategy`` writes them; anything else as given, or its ``state_dict()``), so
+    ``torch.load(path)["model"]`` loads into the plain model; the package's bookkeeping (engine, Hugging Face record)
+    goes under the key ``"gaudi_fsdp"``, which ``state`` may not use. A sharded checkpoint keeps the model and
+    optimizers in the DCP files under their keys of ``state``, the rest in ``meta.pt``, as Lightning's Fabric does.
+    ``filter={"model": lambda name, value: ...}`` keeps only the entries a function accepts
+    (``state_dict_type="full"`` only). ``fabric.load(path, state)`` reads this layout, the Trainer's and that of
+    Lightning's own Fabric ``FSDPStrategy`` (format detected on disk), checks it on every rank before any weight
+    changes, restores the model, the optimizers and every object with ``load_state_dict`` (schedulers...) in place,
+    puts plain values back into ``state`` and returns the checkpoint's other entries (never the bookkeeping). The
+    Trainer resumes from a checkpoint saved here. ``fabric.load_raw(path, obj)`` loads a model (set up or not) or an
+    optimizer from any checkpoint of either door or from a plain ``torch.save`` of a state dict.
 
     ``async_save=True``: ``fabric.save`` returns once the state is staged into host buffers; a background thread
     writes and commits it while the loop goes on (any format; at most one save in flight). Parameters and optimizer
@@ -214,13 +217,16 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
         fmt = self._state_dict_type
         _check_filter(filter, state, fmt)
+        clash = [key for key in state if key in views.reserved_keys()]
+        if clash:
+            raise ValueError(
+                f"state keys {clash} are reserved for the checkpoint's bookkeeping; rename them (reserved: "
+                f"{list(views.reserved_keys())})"
+            )
         device_type = self.root_device.type
         path = Path(self.broadcast(str(path)))
         model_key, model = _find_model(state)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-        clash = [key for key in state if key in _TRAINER_KEYS or key == FABRIC_KEYS]
-        if clash:
-            raise ValueError(f"state keys {clash} are reserved for the checkpoint layout; rename them")
         keep = _filtered(filter or {})
         # Streamed (each tensor received on rank 0 as it is written) unless a filter reads the state first.
         stream = _checkpoints.full_stream(self) if filter is None else None
@@ -236,12 +242,12 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
                 keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
                 for key, opt in optimizers.items()
             ],
-            "lr_schedulers": [others[key] for key in schedulers],  # where the Trainer looks for them
-            _VERSION_KEY: lightning.__version__,
+            views.VERSION_KEY: lightning.__version__,
             **others,
             FABRIC_KEYS: {"model": model_key, "optimizers": list(optimizers), "schedulers": schedulers},
         }
         metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, list(optimizers.values()))
+        checkpoint = views.fabric_layout(checkpoint)
         if self._background is not None and not self._waits_at_exit:
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
@@ -287,6 +293,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             strict=strict,
             weights_only=safe,
             load_optimizers=bool(optimizers),
+            hints=(model_key, list(optimizers)),
         )
         return _restore_entries(state, rest, model_key, optimizers, strict)
 
@@ -364,13 +371,13 @@ def _find_model(state: dict[str, Any]) -> tuple[str, Module]:
 def _restore_entries(
     state: dict[str, Any], rest: dict[str, Any], model_key: str, optimizers: dict[str, Optimizer], strict: bool
 ) -> dict[str, Any]:
-    """Everything in ``state`` besides the model and optimizers, from the checkpoint's ``rest``: objects with
-    ``load_state_dict`` in place, plain values replaced. A Trainer checkpoint has no entry per scheduler: schedulers
-    then come from its ``lr_schedulers`` in order."""
-    keys = rest.pop(FABRIC_KEYS, None)
-    trainer_schedulers = rest.pop("lr_schedulers", [])
-    internal = (formats.ENGINE_KEY, formats.PARAM_ID_NAMES_KEY, formats.OPTIMIZER_GROUPS_KEY, "optimizer_states")
-    for key in (*internal, _VERSION_KEY):
+    """Everything in ``state`` besides the model and optimizers, from the checkpoint's ``rest`` (the internal view,
+    see :mod:`.checkpoint.views`): objects with ``load_state_dict`` in place, plain values replaced. A Trainer
+    checkpoint has no entry per scheduler: schedulers then come from its ``lr_schedulers`` in order. Returns the
+    entries not requested, without any of the package's bookkeeping."""
+    keys = rest.get(FABRIC_KEYS)
+    trainer_schedulers = rest.get("lr_schedulers", [])
+    for key in views.INTERNAL_KEYS:
         rest.pop(key, None)
     requested = [key for key in state if key != model_key and key not in optimizers]
     if keys is None:

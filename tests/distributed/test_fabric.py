@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 import torch
 
+from conftest import SCENARIOS
 from distributed.test_resume import _assert_equal_nested  # bitwise, nested
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 
@@ -23,10 +25,15 @@ def _strategy(engine: int, fmt: str = "full") -> dict:
 
 @pytest.mark.versions
 @pytest.mark.parametrize("engine", [1, 2])
-def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, engine):
+def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, tmp_path, engine):
     """Accumulation under no_backward_sync, clipping by value then by the global norm, AdamW + StepLR: 2 ranks equal
-    a plain model trained on each whole global batch. Engine 1 takes the strategy by its registered name."""
+    a plain model trained on each whole global batch. Engine 1 takes the strategy by its registered name. The full
+    checkpoint saved at the end is in Lightning Fabric's layout: as LitGPT reads one, ``torch.load(path)["model"]``
+    loads strictly into the plain model (here the scenario's ``Module``, standing in for a LitGPT ``GPT``), whose
+    outputs equal the trained model's."""
+    ckpt = tmp_path / "fabric.ckpt"
     cfg = {"reference": True, "clip_value": 0.05, "clip_norm": 0.1, "epochs": 2}
+    cfg.update(save=str(ckpt), save_after_epoch=2)
     if engine == 1:
         cfg["strategy_name"] = "gaudi_fsdp"
     else:
@@ -57,6 +64,28 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, engine):
         assert info["all_reduce_mean"] == 1.5
         assert info["all_gather"] == [0, 1]
         assert info["broadcast"] == {"from": 0}
+    _assert_loads_as_litgpt_does(ckpt, final["weights"])
+
+
+def _assert_loads_as_litgpt_does(ckpt, trained: dict[str, torch.Tensor]) -> None:
+    """Fabric's full layout, read in this process (not the one that saved it) the way LitGPT reads a checkpoint."""
+    sys.path.insert(0, str(SCENARIOS))
+    from common import Module
+
+    saved = torch.load(ckpt, weights_only=True)
+    assert list(saved) == ["model", "optimizer", "scheduler", "epoch", "global_step", "gaudi_fsdp"]
+    assert saved["epoch"] == 2
+    assert saved["global_step"] == 6
+    assert saved["scheduler"]["last_epoch"] == 6
+    # the optimizer as Lightning's Fabric FSDPStrategy keys it (FSDP.optim_state_dict): by parameter name
+    assert sorted(saved["optimizer"]["state"]) == sorted(saved["model"])
+    assert sorted(saved["optimizer"]["param_groups"][0]["params"]) == sorted(saved["model"])
+    plain = Module(depth=3)
+    plain.load_state_dict(saved["model"], strict=True)
+    trained_model = Module(depth=3)
+    trained_model.net.load_state_dict(trained, strict=True)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(plain(x), trained_model(x))
 
 
 @pytest.mark.parametrize(
@@ -84,6 +113,8 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     strategy = {**_strategy(engine, fmt), "async_save": background}
     common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
     writes = {"slow_writes": 1.0, "slow_copies": 0.5} if background else {}
+    if fmt != "local" and not background:  # beside it, the same state in Lightning's own Fabric layout
+        writes["lightning_layout"] = str(tmp_path / "lightning.ckpt")
     straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
     resumed = scenario({**common, "load": str(ckpt), "raw_checks": not background}, script=FABRIC)
     a, b = straight.final(), resumed.final()
@@ -115,6 +146,30 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     assert info["final_state"] == {"epoch": 2, "global_step": 6}
     if not background:
         _assert_load_raw_and_filter(resumed, ckpt, fmt)
+    if fmt != "local" and not background:
+        _assert_lightning_layout_resumes(scenario, common, straight, tmp_path / "lightning.ckpt")
+
+
+def _assert_lightning_layout_resumes(scenario, common: dict, straight, lightning_ckpt) -> None:
+    """A checkpoint in the layout Lightning's own Fabric writes (made by the straight run beside its own save: sharded
+    by Lightning's code, full as its source builds it; see fabric_loop.save_lightning_layout) loads with fabric.load
+    into this package's strategy and training continues exactly as the uninterrupted run."""
+    assert describe(lightning_ckpt)["layout"] == "fabric"
+    if lightning_ckpt.is_dir():  # sharded: DCP keys of the state, the other entries in meta.pt, nothing of ours
+        from torch.distributed.checkpoint import FileSystemReader
+
+        entries = FileSystemReader(str(lightning_ckpt)).read_metadata().state_dict_metadata
+        assert {key.split(".", 1)[0] for key in entries} == {"model", "optimizer"}
+        assert set(torch.load(lightning_ckpt / "meta.pt", weights_only=True)) == {"scheduler", "epoch", "global_step"}
+    resumed = scenario({**common, "load": str(lightning_ckpt)}, script=FABRIC)
+    a, b = straight.final(), resumed.final()
+    _assert_equal_nested(b["weights"], a["weights"], "weights")
+    _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
+    assert b["scheduler"] == a["scheduler"]
+    info = resumed.rank(1)
+    assert info["scheduler_same_object"]
+    assert info["loaded"] == {"epoch": 1, "global_step": 3}
+    assert info["remainder_keys"] == []
 
 
 def _assert_load_raw_and_filter(run, ckpt, fmt: str) -> None:
@@ -176,10 +231,11 @@ def test_a_background_save_still_writing_when_the_script_ends_is_committed_at_ex
 
 
 @pytest.mark.versions
-def test_checkpoints_cross_between_the_trainer_and_fabric(scenario, tmp_path):
-    """A sharded checkpoint of the Trainer's strategy loads in Fabric (model, optimizer, its scheduler from
-    ``lr_schedulers``, ``global_step``), and one Fabric saved resumes a Trainer."""
-    strategy = _strategy(1, "sharded")
+@pytest.mark.parametrize(("engine", "fmt"), [(1, "sharded"), (2, "full")])
+def test_checkpoints_cross_between_the_trainer_and_fabric(scenario, tmp_path, engine, fmt):
+    """A checkpoint of the Trainer's strategy loads in Fabric (model, optimizer, its scheduler from
+    ``lr_schedulers``, ``global_step``), and one Fabric saved (in Fabric's layout) resumes a Trainer."""
+    strategy = _strategy(engine, fmt)
     trainer_ckpt, fabric_ckpt = tmp_path / "trainer.ckpt", tmp_path / "fabric.ckpt"
     module = {"n_samples": 32, "batch_size": 4}
     trained = scenario({"strategy": strategy, "module": module, "max_steps": 4, "save_path": str(trainer_ckpt)})

@@ -238,7 +238,8 @@ def test_use_orig_params_false_with_lora_fails_naming_the_argument(scenario):
 @pytest.mark.parametrize("engine", [pytest.param(1, marks=SLOW), 2])
 def test_fabric_lora_trains_like_one_process_and_exports(scenario, engine, lora_reference, tmp_path):
     """The same fine-tune through Fabric's door: frozen base bitwise, adapters equal one process, and its sharded
-    checkpoint exports an adapter PEFT loads (the model is Fabric's root: no prefix recorded or needed)."""
+    checkpoint exports an adapter PEFT loads (the model is Fabric's root: no prefix recorded or needed). Loaded back
+    with fabric.load, it returns nothing of the package's bookkeeping (issue 28, item 3)."""
     from peft import PeftModel
 
     ckpt = tmp_path / "fabric-sharded"
@@ -248,6 +249,8 @@ def test_fabric_lora_trains_like_one_process_and_exports(scenario, engine, lora_
     reference = _unprefixed(lora_reference["weights"])
     assert sorted(final) == sorted(reference)
     assert run.rank(0)["frozen_with_grad"] == run.rank(1)["frozen_with_grad"] == []
+    for rank in (0, 1):  # fabric.load of the checkpoint just saved: no bookkeeping (the HF record) comes back
+        assert run.rank(rank)["loaded"] == {"remainder": [], "state": ["model", "optimizer"]}
     for key, value in final.items():
         if is_adapter_key(key):
             torch.testing.assert_close(value, reference[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")

@@ -12,7 +12,9 @@ with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1
 checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
 seconds late), ``exit_normally`` (end after training without teardown or
 ``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON).
+round trips; results under ``raw`` in the rank's JSON), ``lightning_layout`` (beside ``save``, the same state is
+also saved there in the layout Lightning's own Fabric writes, without this package's save: see
+``save_lightning_layout``).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def raw_checks(
     if fmt == "full":  # first, while the second model still holds its own initial weights
         filtered = str(out / "filtered.ckpt")
         fabric.save(filtered, {"model": model, "optimizer": optimizer}, filter={"model": lambda k, v: "head" in k})
-        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["state_dict"])
+        seen["filtered_keys"] = sorted(torch.load(filtered, weights_only=True)["model"])
         before = full_weights(other, rank)
         try:
             fabric.load(filtered, {"model": other})
@@ -126,7 +128,9 @@ def raw_checks(
             other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
         )
         if rank == 0:
-            saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]
+            saved = torch.load(ckpt, weights_only=True)["optimizer"]  # Fabric's layout: keyed by parameter name
+            names = formats.param_id_names(other._forward_module)
+            loaded = formats.optimizer_state_by_name(loaded, names)
             torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
     except Exception as err:
         seen["optimizer_error"] = f"{type(err).__name__}: {err}"
@@ -135,6 +139,45 @@ def raw_checks(
     except Exception as err:
         seen["missing_error"] = f"{type(err).__name__}: {err}"
     return seen
+
+
+def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str, Any], fabric: L.Fabric) -> None:
+    """``state`` saved to ``path`` in the layout Lightning's own Fabric writes, for this strategy's
+    ``state_dict_type``. Sharded: by Lightning's own code, run on this strategy's model (FSDP1:
+    ``lightning.fabric.strategies.FSDPStrategy.save_checkpoint``; FSDP2: ``ModelParallelStrategy``'s
+    ``_save_checkpoint``): the model and optimizer in DCP under their keys, the other entries in ``meta.pt``. Full: as
+    ``FSDPStrategy.save_checkpoint`` builds it (its own call would offload a full state dict on CPU, which crashes
+    torch 2.13): ``full_state[key]`` for each entry (a module as its full state dict, an optimizer as
+    ``FSDP.optim_state_dict`` under a full context, i.e. keyed by parameter name, anything else as given or its
+    ``state_dict()``), ``torch.save`` on rank 0."""
+    from lightning.fabric.strategies import FSDPStrategy
+    from lightning.fabric.strategies.model_parallel import _save_checkpoint
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    strategy, rank = fabric.strategy, fabric.global_rank
+    unwrapped = {k: v._forward_module if v is model else v.optimizer if v is optimizer else v for k, v in state.items()}
+    if strategy._state_dict_type == "sharded" and strategy._fsdp_version == 1:
+        FSDPStrategy.save_checkpoint(strategy, path, unwrapped)
+        return
+    if strategy._state_dict_type == "sharded":
+        _save_checkpoint(Path(path), unwrapped, full_state_dict=False, rank=rank)
+        return
+    weights = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    by_id = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
+    if rank != 0:
+        return
+    plain = Module(depth=3)  # the unwrapped model: the names FSDP.optim_state_dict keys the state by
+    plain.load_state_dict(weights)
+    full_state = {}
+    for key, obj in state.items():
+        if obj is model:
+            full_state[key] = weights
+        elif obj is optimizer:
+            full_state[key] = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, plain)
+        else:
+            full_state[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    torch.save(full_state, path)
 
 
 def _weights(plain: Module) -> dict[str, torch.Tensor]:
@@ -257,6 +300,8 @@ def main() -> None:
             streamed = saved_streamed = StreamedSaves()
             started = time.monotonic()
             fabric.save(cfg["save"], state)
+            if cfg.get("lightning_layout"):
+                save_lightning_layout(cfg["lightning_layout"], model, optimizer, state, fabric)
             background = fabric.strategy._background
             info["save"] = {
                 "seconds": time.monotonic() - started,

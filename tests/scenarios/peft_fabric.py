@@ -41,6 +41,7 @@ def main() -> None:
 
     weights("initial.pt")
     frozen_with_grad: set[str] = set()
+    loaded = None
     for step in range(1, cfg.get("max_steps", 4) + 1):
         batch = mine[((step - 1) % 2) * 2 : ((step - 1) % 2) * 2 + 2]
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -51,9 +52,12 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         if step == cfg.get("save_at"):
-            fabric.save(cfg["save"], {"model": model, "optimizer": optimizer})
+            state = {"model": model, "optimizer": optimizer}
+            fabric.save(cfg["save"], state)
             weights("at_save.pt")
-    write_json(out, f"rank{rank}.json", {"frozen_with_grad": sorted(frozen_with_grad)})
+            remainder = fabric.load(cfg["save"], state)  # the same state back: nothing of the package's own
+            loaded = {"remainder": sorted(remainder), "state": sorted(state)}
+    write_json(out, f"rank{rank}.json", {"frozen_with_grad": sorted(frozen_with_grad), "loaded": loaded})
     weights("final.pt")
     leave()
 

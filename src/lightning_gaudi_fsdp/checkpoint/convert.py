@@ -1,7 +1,8 @@
 """Describe and convert checkpoints offline: no process group, no device, about one model in memory.
 
 Conversions: ``local -> full``, ``sharded -> full``, ``full -> sharded``, ``local -> sharded``. A converted ``full``
-checkpoint loads into the plain, unwrapped LightningModule (``model.load_state_dict(ckpt["state_dict"])``). Optimizer
+checkpoint loads into the plain, unwrapped model (``model.load_state_dict(ckpt["state_dict"])``, or ``ckpt["model"]``
+for a checkpoint in Fabric's layout: each checkpoint keeps the layout of the door that wrote it). Optimizer
 state is carried in every conversion, keyed by parameter name (a local checkpoint's per-rank slices are joined). It
 is dropped, with a note in ``conversion_notes``, only where the source cannot name its optimizer parameters (a full
 checkpoint keyed by id without recorded names, or a local one written by an older version).
@@ -38,6 +39,15 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
 )
 from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
+from lightning_gaudi_fsdp.checkpoint.views import (
+    dcp_model_key,
+    dcp_optimizer_key,
+    fabric_layout,
+    file_view,
+    internal_view,
+    is_fabric,
+    with_dcp_keys,
+)
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T], str, int], Iterable[T]]
@@ -68,6 +78,7 @@ def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
         "global_step": rest.get("global_step"),
         "lightning_version": rest.get("pytorch-lightning_version"),
         "hf_model": json.loads(rest[HF_KEY]) if isinstance(rest.get(HF_KEY), str) else None,
+        "layout": "fabric" if is_fabric(rest) else "trainer",
     }
 
 
@@ -81,7 +92,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
     fmt = detect_format(path)
     info: dict[str, Any] = {"path": str(path), "format": fmt}
     if fmt == "full":
-        ckpt = load_file(path, path, "the checkpoint file", weights_only=weights_only)
+        ckpt = file_view(load_file(path, path, "the checkpoint file", weights_only=weights_only), path)
         state = ckpt.get("state_dict", {})
         info.update(_tensor_summary(v for v in state.values() if isinstance(v, torch.Tensor)))
         info.update(world_size=None, optimizer=bool(ckpt.get("optimizer_states")), **_trainer_fields(ckpt))
@@ -89,22 +100,25 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = storage_reader(path, weights_only=weights_only).read_metadata()
-        rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
+        rest = _sharded_view(path, metadata, weights_only)
+        prefix = f"{dcp_model_key(rest)}."
         model = {
             k: md
             for k, md in metadata.state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
+            if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
         }
         meta_tensors = [torch.empty(md.size, dtype=md.properties.dtype, device="meta") for md in model.values()]
         info.update(_tensor_summary(meta_tensors))
         info.update(
             world_size=rest.get(WORLD_SIZE_KEY),  # None: not recorded (older checkpoints, convert's output)
-            optimizer=any(k.startswith("optimizer_") for k in metadata.state_dict_metadata),
+            optimizer=any(not k.startswith(prefix) for k in metadata.state_dict_metadata),
             **_trainer_fields(rest),
         )
     else:
         meta = read_local_metadata(path)
-        rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+        rest = internal_view(
+            load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
+        )
         if meta.get("engine", 1) == 2:
             shapes = [(entry["shape"], entry["dtype"]) for entry in meta["parameters"]]
         else:
@@ -126,13 +140,14 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
 def load_full_state(
     path: str | os.PathLike[str], progress: Progress = _no_progress, *, weights_only: bool = True
 ) -> tuple[dict[str, Any], list[str]]:
-    """Any format as one full Lightning checkpoint dict in memory; returns it and notes about what was dropped.
+    """Any format, in either layout (see :mod:`.views`), as one full checkpoint in the internal view (the Trainer's
+    layout) in memory; returns it and notes about what was dropped.
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "full":
-        return load_file(path, path, "the checkpoint file", weights_only=weights_only), []
+        return file_view(load_file(path, path, "the checkpoint file", weights_only=weights_only), path), []
     if fmt == "sharded":
         return _sharded_to_full(path, weights_only), []
     return _local_to_full(path, progress, weights_only)
@@ -143,21 +158,32 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     # metadata: one copy of the checkpoint in memory, no temporary file read back.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
+    reader = storage_reader(path, weights_only=weights_only)
+    rest = _sharded_view(path, reader.read_metadata(), weights_only)
     state: dict[str, Any] = {}
     read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
     rest.pop(WORLD_SIZE_KEY, None)  # the writers of this checkpoint, not of what is made from it
-    rest["state_dict"] = state.pop("model")
-    optimizers = [state[k] for k in sorted(k for k in state if k.startswith("optimizer_"))]
+    rest["state_dict"] = state.pop(dcp_model_key(rest))
+    optimizers = []
+    while (key := dcp_optimizer_key(rest, len(optimizers))) is not None and key in state:
+        optimizers.append(state[key])
     if optimizers:
         rest["optimizer_states"] = optimizers
     return rest
 
 
+def _sharded_view(path: Path, metadata: Any, weights_only: bool) -> dict[str, Any]:
+    """The internal view of a sharded checkpoint's ``meta.pt``, naming the DCP keys of its model and optimizers."""
+    rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
+    return with_dcp_keys(internal_view(rest, path), list(metadata.state_dict_metadata))
+
+
 def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[dict[str, Any], list[str]]:
     meta = read_local_metadata(path)
-    rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+    rest = internal_view(
+        load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
+    )
     if meta.get("engine", 1) == 2:
         return _fsdp2_local_to_full(path, meta, rest, progress, weights_only)
     world_size = int(meta["world_size"])
@@ -286,7 +312,8 @@ def convert(
     weights_only: bool = True,
     check_free_space: bool | None = None,
 ) -> list[str]:
-    """Write ``src`` (any format) as ``dst`` in format ``to``; ``dst`` appears only once complete. ``src`` is unpickled
+    """Write ``src`` (any format) as ``dst`` in format ``to``, in ``src``'s layout (a Fabric checkpoint as Fabric's,
+    a Trainer checkpoint as the Trainer's; see :mod:`.views`); ``dst`` appears only once complete. ``src`` is unpickled
     with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. A write that
     fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
     :func:`~.storage.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
@@ -298,9 +325,13 @@ def convert(
     checkpoint, notes = load_full_state(src, progress, weights_only=weights_only)
     staging = commit.staging_path(dst)
     if to == "full":
+        if is_fabric(checkpoint):
+            checkpoint = fabric_layout(checkpoint)
         write = lambda: save_file(checkpoint, staging)  # noqa: E731
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
+        if is_fabric(checkpoint):
+            checkpoint = fabric_layout(checkpoint)
         write = lambda: _save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
     storage.write_atomically(
         dst,

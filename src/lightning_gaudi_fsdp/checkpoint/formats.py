@@ -1,11 +1,14 @@
 """Full, sharded and local state-dict checkpoints of an FSDP model: detect, check, save and load.
 
-- ``full``: one ``torch.save`` file in Lightning's standard layout. Model weights are gathered on rank 0 under
-  ``state_dict`` (plain names, no FSDP prefixes) and optimizer state is in torch's standard per-parameter-id form, so a
-  plain PyTorch/Lightning program loads it without FSDP. Given a :class:`~.streaming.FullStream`, rank 0 writes each
-  tensor as it arrives instead of gathering the whole state first (see :mod:`.streaming`).
+- ``full``: one ``torch.save`` file in the layout of the door that wrote it (see :mod:`.views`). Model weights are
+  gathered on rank 0 (plain names, no FSDP prefixes) under ``state_dict`` (the Trainer's layout, optimizer state in
+  torch's standard per-parameter-id form) or under the model's key of Fabric's ``state`` (Fabric's layout, optimizer
+  state keyed by parameter name), so a plain PyTorch/Lightning program loads it without FSDP. Given a
+  :class:`~.streaming.FullStream`, rank 0 writes each tensor as it arrives instead of gathering the whole state first
+  (see :mod:`.streaming`).
 - ``sharded``: a directory in Lightning's distributed-checkpoint layout (torch DCP files plus ``meta.pt`` holding
-  everything that is not a model or optimizer tensor). It loads at any world size.
+  everything that is not a model or optimizer tensor; DCP keys ``model``/``optimizer_<i>``, or in Fabric's layout the
+  keys of ``state``). It loads at any world size.
 - ``local``: a directory with one ``rank_NNNNN.pt`` per rank (that rank's slice of every flat parameter and its raw
   optimizer state), ``trainer_state.pt`` and ``local_metadata.json`` (world size, sharding strategy, wrap and
   flat-parameter layout, versions). Fastest to write; loads only at the same world size and wrapping.
@@ -43,6 +46,7 @@ LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
 PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 ENGINE_KEY = "gaudi_fsdp_engine"  # the FSDP engine (1 or 2) that wrote the checkpoint, in its trainer state
+BOOK_KEY = "gaudi_fsdp"  # Fabric's layout: the package's bookkeeping (see .views), naming the model and optimizers
 # sharded: the number of ranks that wrote it, in meta.pt (local checkpoints keep theirs in local_metadata.json); absent
 # where no world size applies (convert's single-process output) and in checkpoints written before it was recorded
 WORLD_SIZE_KEY = "gaudi_fsdp_world_size"
@@ -325,7 +329,7 @@ def bytes_to_write(
         return storage.estimate_bytes(checkpoint) if rank == 0 else 0
     model_state, optimizer_states, rest = _split_state(checkpoint)
     if fmt == "sharded":
-        own = storage.estimate_bytes(_dcp_state(model_state, optimizer_states), tensors="elements")
+        own = storage.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
     else:
         own = storage.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
     if rank == 0:
@@ -349,13 +353,23 @@ def detect_format_or_none(path: Path) -> CheckpointFormat | None:
 
 
 def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    """The model state, the optimizer states and the rest, of a checkpoint in the Trainer's layout or in Fabric's
+    (whose :data:`BOOK_KEY` names the model's and optimizers' entries)."""
     rest = dict(checkpoint)
+    book = rest.get(BOOK_KEY)
+    if isinstance(book, Mapping):
+        return rest.pop(book["model"], {}), [rest.pop(k) for k in book["optimizers"] if k in rest], rest
     model_state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", [])
     return model_state, optimizer_states, rest
 
 
-def _dcp_state(model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+def _dcp_state(checkpoint: dict[str, Any], model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+    """The DCP entries: the Trainer's keys (``model``, ``optimizer_<i>``), or in Fabric's layout the keys of the
+    ``state`` given to ``fabric.save``, as Lightning's Fabric writes them."""
+    book = checkpoint.get(BOOK_KEY)
+    if isinstance(book, Mapping):
+        return {book["model"]: model_state, **dict(zip(book["optimizers"], optimizer_states, strict=True))}
     return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
 
 
@@ -371,13 +385,19 @@ def _save_sharded(
     recorded). ``no_dist``: one process writes full tensors (offline conversion); DCP reshards them on load like any
     other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
-    state = _dcp_state(model_state, optimizer_states)
+    state = _dcp_state(checkpoint, model_state, optimizer_states)
     _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
-        rest[OPTIMIZER_GROUPS_KEY] = [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
+        extras: dict[str, Any] = {
+            OPTIMIZER_GROUPS_KEY: [{"param_groups": s.get("param_groups", [])} for s in optimizer_states]
+        }
         if world_size is not None:
-            rest[WORLD_SIZE_KEY] = world_size
+            extras[WORLD_SIZE_KEY] = world_size
+        if isinstance(rest.get(BOOK_KEY), Mapping):
+            rest[BOOK_KEY] = {**rest[BOOK_KEY], **extras}  # Fabric's layout: the bookkeeping under its one key
+        else:
+            rest.update(extras)
         save_file(rest, staging / SHARDED_METADATA)
 
 

@@ -30,6 +30,13 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
 )
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
+from lightning_gaudi_fsdp.checkpoint.views import (
+    dcp_model_key,
+    dcp_optimizer_key,
+    file_view,
+    internal_view,
+    with_dcp_keys,
+)
 from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
 
 
@@ -70,9 +77,17 @@ def check_state_keys(
         raise CheckpointError(path, "it was written for another model: " + "; ".join(problems))
 
 
-def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool, weights_only: bool = True) -> Any:
-    """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata. With
-    ``weights_only``, every non-tensor entry is also unpickled safely (they are small)."""
+def check_sharded(
+    path: Path,
+    model_state: Mapping[str, Any],
+    strict: bool,
+    weights_only: bool,
+    view: dict[str, Any],
+    hints: Hints,
+) -> tuple[Any, dict[str, Any]]:
+    """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata and
+    ``view`` (the checkpoint's rest) naming the DCP keys of the model and optimizers. With ``weights_only``, every
+    non-tensor entry is also unpickled safely (they are small)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -89,14 +104,16 @@ def check_sharded(path: Path, model_state: Mapping[str, Any], strict: bool, weig
             raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
     if weights_only:
         check_distributed_entries(path, metadata)
+    view = with_dcp_keys(view, list(metadata.state_dict_metadata), *hints)
+    prefix = f"{dcp_model_key(view)}."
     saved = {
-        key.removeprefix("model."): tuple(md.size)
+        key.removeprefix(prefix): tuple(md.size)
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
     expected = {k: tuple(v.size()) for k, v in model_state.items() if hasattr(v, "size")}
     check_state_keys(path, saved, expected, strict)
-    return metadata
+    return metadata, view
 
 
 def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[str, Any]:
@@ -133,6 +150,9 @@ def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[s
 
 
 # ------------------------------------------------------------------------------------------------------- loading
+Hints = tuple[str | None, Sequence[str]]  # at fabric.load: the keys of the model and optimizers in the user's state
+
+
 @dataclass
 class PendingLoad:
     """A checkpoint that passed every check on this rank; :func:`apply_load` changes the weights."""
@@ -157,11 +177,13 @@ def check_load(
     strict: bool,
     weights_only: bool = True,
     raw: bool = False,
+    hints: Hints = (None, ()),
 ) -> PendingLoad:
     """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
     Raises :class:`CheckpointError`; nothing in ``model`` is changed. Every file is unpickled with ``weights_only``
     (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. ``raw``: a single file may also be
-    a plain model state dict (``torch.save(model.state_dict())``), not only a Lightning checkpoint.
+    a plain model state dict (``torch.save(model.state_dict())``), not only a Lightning checkpoint. ``hints``: where
+    the model and optimizers are in a checkpoint of Lightning's own Fabric (see :func:`.views.internal_view`).
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
@@ -175,17 +197,19 @@ def check_load(
             current = model.state_dict()
     if fmt == "full":
         checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
-        state, checkpoint = split_model_state(path, checkpoint, raw)
+        state, checkpoint = split_model_state(path, checkpoint, raw, hints)
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         check_state_keys(path, saved, expected_full_shapes(model), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
         return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only)
     if fmt == "sharded":
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
-        metadata = check_sharded(path, current, strict, weights_only)
+        rest = internal_view(rest, path)
+        metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints)
         return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only)
     check_local(path, model, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+    rest = internal_view(rest, path)
     shard = load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
@@ -195,23 +219,13 @@ def check_load(
     return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
 
 
-def split_model_state(path: Path, checkpoint: Any, raw: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model state and the rest of a single-file checkpoint: a Lightning checkpoint's ``state_dict``, or with
-    ``raw`` the whole file when it is a plain state dict (names to tensors)."""
-    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
-        return checkpoint.pop("state_dict"), checkpoint
-    if raw and _is_plain_state_dict(checkpoint):
-        return checkpoint, {}
-    what = "a Lightning checkpoint nor a model state dict" if raw else "a Lightning checkpoint"
-    raise CheckpointError(path, f"it has no 'state_dict' entry; it is not {what}")
-
-
-def _is_plain_state_dict(obj: Any) -> bool:
-    return (
-        isinstance(obj, dict)
-        and all(isinstance(k, str) for k in obj)
-        and any(isinstance(v, torch.Tensor) for v in obj.values())
-    )
+def split_model_state(
+    path: Path, checkpoint: Any, raw: bool, hints: Hints = (None, ())
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model state and the rest (the internal view, see :mod:`.views`) of a single-file checkpoint in the
+    Trainer's layout or Fabric's, or with ``raw`` a plain state dict (names to tensors)."""
+    view = file_view(checkpoint, path, raw=raw, model_key=hints[0], optimizer_keys=hints[1])
+    return view.pop("state_dict"), view
 
 
 def read_full_model_state(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
@@ -237,13 +251,14 @@ def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: boo
             "'optimizer': optimizer})",
         )
     checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
-    if isinstance(checkpoint, dict) and "optimizer_states" in checkpoint:
+    if isinstance(checkpoint, dict) and {"state", "param_groups"} <= set(checkpoint):
+        return checkpoint
+    checkpoint = internal_view(checkpoint, path, raw=True)
+    if "optimizer_states" in checkpoint:
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise CheckpointError(path, f"it holds {len(states)} optimizer states; which one to load is ambiguous")
         return states[0]
-    if isinstance(checkpoint, dict) and {"state", "param_groups"} <= set(checkpoint):
-        return checkpoint
     raise CheckpointError(path, "it holds no optimizer state ('optimizer_states', or 'state' and 'param_groups')")
 
 
@@ -303,9 +318,10 @@ def _apply_fsdp2_load(
     elif pending.fmt == "sharded":
         import torch.distributed.checkpoint as dcp
 
-        state = {"model": pending.model_state}
+        key = dcp_model_key(pending.rest)
+        state = {key: pending.model_state}
         dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        fsdp2_state.load_sharded(model, state["model"], strict)
+        fsdp2_state.load_sharded(model, state[key], strict)
     else:
         fsdp2_state.load_local(model, pending.model_state)
     if not load_optimizers:
@@ -344,11 +360,12 @@ def _for_each_sharded_optimizer(
     happens for a checkpoint without optimizer state (weights only)."""
     path, keys = pending.path, set(pending.dcp_metadata.state_dict_metadata)
     groups = pending.optimizer_groups
-    if not any(k.startswith("optimizer_") for k in keys):
+    model_prefix = f"{dcp_model_key(pending.rest)}."
+    if all(k.startswith(model_prefix) for k in keys):
         return
     for idx, optimizer in enumerate(optimizers):
-        key = f"optimizer_{idx}"
-        if not any(k.startswith(f"{key}.") for k in keys):
+        key = dcp_optimizer_key(pending.rest, idx)
+        if key is None or not any(k.startswith(f"{key}.") for k in keys):
             raise CheckpointError(path, f"it holds no state for optimizer {idx}")
         if not any(k.startswith(f"{key}.state.") for k in keys):
             if idx < len(groups):
@@ -398,15 +415,16 @@ def _load_sharded(
 
     path = pending.path
     with state_dict_context(model, "sharded", device_type):
-        state = {"model": pending.model_state}
+        model_key = dcp_model_key(pending.rest)
+        state = {model_key: pending.model_state}
         dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        model.load_state_dict(state["model"], strict=strict)
+        model.load_state_dict(state[model_key], strict=strict)
         if not load_optimizers:
             return
         reader = storage_reader(path, weights_only=pending.weights_only)
 
         def load_one(key: str, optimizer: Optimizer) -> None:
-            loaded = load_sharded_optimizer_state_dict(state["model"], key, reader)[key]
+            loaded = load_sharded_optimizer_state_dict(state[model_key], key, reader)[key]
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, loaded))
 
         _for_each_sharded_optimizer(pending, optimizers, load_one)

@@ -18,7 +18,6 @@ import torch
 
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
-    SHARDED_METADATA,
     CheckpointError,
     detect_format,
     local_shard_name,
@@ -26,6 +25,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
 )
 from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
+from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key, internal_view
 
 
 @dataclass
@@ -73,7 +73,8 @@ class TensorSource:
 
         model = {n: torch.empty(self.entries[n][0], dtype=self.entries[n][1]) for n in names}
         planner = DefaultLoadPlanner()
-        read_distributed(self.path, {"model": model}, planner, weights_only=self._weights_only, reader=self._reader)
+        key = dcp_model_key(self.rest)
+        read_distributed(self.path, {key: model}, planner, weights_only=self._weights_only, reader=self._reader)
         return model
 
     def _read_fsdp2_local(self, name: str) -> torch.Tensor:
@@ -101,30 +102,36 @@ def open_source(path: str | os.PathLike[str], *, weights_only: bool = True) -> T
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "full":
+        from lightning_gaudi_fsdp.checkpoint.loading import split_model_state
+
         ckpt = load_file(path, path, "the checkpoint file", weights_only=weights_only)
-        if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-            raise CheckpointError(path, "it has no 'state_dict' entry; it is not a Lightning checkpoint")
-        state = {k: v for k, v in ckpt.pop("state_dict").items() if isinstance(v, torch.Tensor)}
+        model_state, ckpt = split_model_state(path, ckpt, raw=False)
+        state = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
         entries = {k: (v.shape, v.dtype) for k, v in state.items()}
         return TensorSource(path, fmt, entries, ckpt, weights_only, _full=state)
     if fmt == "sharded":
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from lightning_gaudi_fsdp.checkpoint.convert import _sharded_view
+
         reader = storage_reader(path, weights_only=weights_only)
         metadata = reader.read_metadata()
+        rest = _sharded_view(path, metadata, weights_only)
+        prefix = f"{dcp_model_key(rest)}."
         entries = {
-            k.removeprefix("model."): (md.size, md.properties.dtype)
+            k.removeprefix(prefix): (md.size, md.properties.dtype)
             for k, md in metadata.state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
+            if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
         }
-        rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         return TensorSource(path, fmt, entries, rest, weights_only, _reader=reader)
     return _open_local(path, weights_only)
 
 
 def _open_local(path: Path, weights_only: bool) -> TensorSource:
     meta = read_local_metadata(path)
-    rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
+    rest = internal_view(
+        load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
+    )
     engine2 = meta.get("engine", 1) == 2
     if engine2:
         layout = meta["parameters"]
