@@ -245,3 +245,29 @@ def test_a_rank_that_lost_the_store_during_fit_leaves_after_the_bound():
         r"\(\w+\) 1 s ago \(failure_timeout\) and is still running",
         stderr,
     ), stderr
+
+
+def test_a_heartbeat_that_looks_while_another_rank_records_its_error_still_acknowledges_it(capfd):
+    """Rank 1 records its error in several store operations; rank 0's heartbeat may look between any two of them (a
+    loaded machine descheduled rank 1 there). Its next beat must still print and acknowledge the error: without the
+    acknowledgement rank 1 exits after its bounded wait, and Lightning's launcher kills rank 0 before it said which rank
+    failed (the CI flake of test_a_rank_raising_stops_every_rank_with_its_error)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    survivor = _liveness.Heartbeat(0, 2, "node")
+
+    class Interleaved:  # rank 1's view of the store: rank 0's heartbeat beats before each of its operations
+        def __getattr__(self, name: str):
+            operation = getattr(store, name)
+
+            def call(*args):
+                survivor._acknowledge_errors(store)
+                return operation(*args)
+
+            return call
+
+    _liveness._record_error(Interleaved(), 1, survivor._run, "RuntimeError: boom", peer_failure=False)
+    survivor._acknowledge_errors(store)  # its next beat
+    assert "[rank 0] lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom" in capfd.readouterr().err
+    assert store.check([_liveness._key("ack", "1/0", survivor._run)])

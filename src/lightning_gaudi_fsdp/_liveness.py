@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning_gaudi_fsdp import _compat, _stuck, options
+from lightning_gaudi_fsdp import _compat, _exit, _stuck, options
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ _LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that s
 _BOUND_ENV = "LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT"
 DEFAULT_FAILURE_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
+_CALL_BEATS = 3  # the heartbeat thread's store requests (and reconnections) give up after this many beats
 _REPORTED = "_lightning_gaudi_fsdp_reported"  # set on an exception once reported
 _launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
 _uncaught: Heartbeat | None = None  # the heartbeat whose rank reports exceptions that end the script
@@ -294,6 +295,9 @@ class Heartbeat:
             store = _connect(timeout_s=30)
             store.set(_key("who", self.rank, self._run), f"{self.node}\n{os.getpid()}")
             store.add(_key("beat", self.rank, self._run), 1)
+            # every request of the thread returns within a few beats (a stall is retried in _store_lost), so that
+            # stop() can wait for the thread to leave torch's C++ code before the interpreter exits
+            store.set_timeout(timedelta(seconds=_CALL_BEATS * self.interval_s))
         except Exception as err:  # noqa: BLE001 - a diagnostic aid must never stop training
             log.warning(
                 f"lightning_gaudi_fsdp: no heartbeat for rank {self.rank} (rendezvous store: {err}); a lost "
@@ -304,6 +308,7 @@ class Heartbeat:
             self._clock = _stuck.WaitClock(threading.get_ident())  # the thread that runs the training loop
         self._thread = threading.Thread(target=self._beat, args=(store,), name="lgf-heartbeat", daemon=True)
         self._thread.start()
+        _exit.close_at_exit(self.stop)  # a door never torn down (Fabric): stopped before the interpreter shuts down
 
     def _beat(self, store: Any) -> None:
         key = _key("beat", self.rank, self._run)
@@ -360,7 +365,7 @@ class Heartbeat:
         waits for its own acknowledgements."""
         with self._acks_lock:
             run = self._run
-            count = store.add(_key("errors", "count", run), 0)
+            count = store.add(_key("errors", "published", run), 0)
             if count == self._errors_seen:
                 return
             self._errors_seen = count
@@ -423,7 +428,7 @@ class Heartbeat:
         deadline = time.monotonic() + self.bound_s
         while not self._stop.wait(self.interval_s):
             try:
-                store = _connect(timeout_s=3 * self.interval_s)
+                store = _connect(timeout_s=_CALL_BEATS * self.interval_s)
                 store.add(_key("beat", self.rank, self._run), 1)
                 return store
             except Exception:  # noqa: BLE001, S112 - still unreachable: the bound decides
@@ -439,9 +444,13 @@ class Heartbeat:
         return None
 
     def stop(self) -> None:
+        """Stop the thread and wait until it has left torch's code: a daemon thread still inside a store request when
+        the interpreter shuts down aborts the process (``terminate called without an active exception``)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval_s)
+            self._thread.join(timeout=(_CALL_BEATS + 2) * self.interval_s)
+            if self._thread.is_alive():
+                log.warning(f"lightning_gaudi_fsdp: the heartbeat of rank {self.rank} did not stop")
             self._thread = None
         if self._clock is not None:
             self._clock.release()
@@ -570,9 +579,12 @@ def _dump_stacks(header: str) -> None:
 
 def _record_error(store: Any, rank: int, run: str, text: str, peer_failure: bool) -> int:
     """Record ``rank``'s error, numbered in the order errors reach the store; ``peer_failure``: a collective failing
-    because of another rank, not an error of its own. Returns its number."""
+    because of another rank, not an error of its own. Returns its number. Readers watch the ``published`` count, bumped
+    once the record is readable: a reader that saw the number taken before the record was written would otherwise
+    count it as seen and never read it."""
     order = store.add(_key("errors", "count", run), 1)
     store.set(_key("error", rank, run), f"{order}\n{int(peer_failure)}\n{text}")
+    store.add(_key("errors", "published", run), 1)
     return order
 
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _liveness, _report, gaudi, options
+from lightning_gaudi_fsdp import _exit, _liveness, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 
 log = logging.getLogger("lightning_gaudi_fsdp")
@@ -244,6 +244,7 @@ class GaudiPlatform:
 
     def setup_environment(self) -> None:
         before_process_group(self)
+        existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
         with _liveness.bounded_rendezvous(
             self._failure_timeout,  # type: ignore[attr-defined]
@@ -251,6 +252,8 @@ class GaudiPlatform:
             lambda: launched_pids(self),
         ):
             super().setup_environment()  # type: ignore[misc]
+            if not existed and torch.distributed.is_initialized():
+                _exit.created_default_group()  # destroyed at interpreter exit unless the script does it
             after_process_group(self)
 
     @classmethod

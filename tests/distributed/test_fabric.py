@@ -4,6 +4,7 @@ with the Trainer's strategy."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -209,8 +210,8 @@ def _assert_load_raw_and_filter(run, ckpt, fmt: str) -> None:
 @pytest.mark.slow
 def test_a_background_save_still_writing_when_the_script_ends_is_committed_at_exit(scenario, tmp_path):
     """No teardown: the last fabric.save (a 2 s write) is still in flight when the script returns; the interpreter's
-    exit (atexit) waits for it, so the checkpoint is committed. (The exit code is not checked: torch 2.13's gloo may
-    abort at interpreter exit, see docs/failure-modes.md.)"""
+    exit (atexit) waits for it, so the checkpoint is committed, and then closes the heartbeat, the background group and
+    the process group: the script exits 0 with nothing of the package left running."""
     ckpt = tmp_path / "ckpt"
     run = scenario(
         {
@@ -228,6 +229,10 @@ def test_a_background_save_still_writing_when_the_script_ends_is_committed_at_ex
     for rank in (0, 1):
         assert run.rank(rank)["save"]["in_flight"]
     assert describe(ckpt)["global_step"] == 6, run.proc.stderr[-3000:]
+    assert "terminate called" not in run.proc.stderr, run.proc.stderr[-3000:]
+    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((run.out / f"exit{rank}.json").read_text()) == {"process_group": False, "threads": []}
 
 
 @pytest.mark.versions

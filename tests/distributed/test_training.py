@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -281,3 +282,24 @@ def test_wrap_inside_configure_model_gets_a_device(scenario):
     units = run.rank(0)["units"]
     assert len(units) == 4  # three blocks and the head, wrapped by the user
     assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
+
+
+@pytest.mark.versions
+def test_a_plain_script_that_saves_after_fit_exits_0_with_nothing_left_running(scenario, tmp_path):
+    """A user's script: ``Trainer.fit`` with FSDP2, then ``trainer.save_checkpoint``, then the interpreter's own exit
+    (no ``destroy_process_group``, no ``os._exit``) under Lightning's launcher. Whatever the package started is closed
+    before Python shuts down: a process group or a heartbeat still there aborted such scripts at exit now and then
+    (``terminate called without an active exception``, exit code 134) after their checkpoint was written."""
+    ckpt = tmp_path / "last.ckpt"
+    strategy = {"fsdp_version": 2, "auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    run = scenario(
+        {"strategy": strategy, "max_steps": 2, "save_path": str(ckpt), "exit_normally": True},
+        launcher="lightning",  # a plain `python script.py`; the scenario pool ends its ranks with os._exit
+        expect_ok=False,
+    )
+    assert "terminate called" not in run.proc.stderr, run.proc.stderr[-3000:]
+    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    assert (ckpt / ".metadata").is_file()
+    for rank in (0, 1):
+        left = json.loads((run.out / f"exit{rank}.json").read_text())
+        assert left == {"process_group": False, "threads": []}, f"rank {rank} left running at exit: {left}"

@@ -194,6 +194,21 @@ def status_bytes(field: str) -> int:
     return 0
 
 
+def record_what_outlives(out: Path) -> None:
+    """For a script that ends without ``os._exit``: at the very end of the interpreter's exit (the first ``atexit``
+    hook runs last), write ``exit<rank>.json`` with whether the process group still exists and which threads of the
+    package still run; anything left there can abort the process once the interpreter shuts down."""
+    import atexit
+
+    def record() -> None:
+        ours = [t.name for t in threading.enumerate() if t.name.startswith(("lgf-", "checkpoint save"))]
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+        group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        write_json(out, f"exit{rank}.json", {"process_group": group, "threads": ours})
+
+    atexit.register(record)
+
+
 def write_json(out: Path, name: str, data: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{name}.tmp"

@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Module, RandomRegression, StreamedSaves, load_config, write_json
+from common import Module, RandomRegression, StreamedSaves, load_config, record_what_outlives, write_json
 from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave
 
@@ -193,6 +193,8 @@ def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("exit_normally"):
+        record_what_outlives(out)
     if cfg.get("slow_writes"):
         arm_write_probes(out, cfg["slow_writes"], 0, False)
     if cfg.get("slow_copies"):

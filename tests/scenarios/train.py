@@ -12,7 +12,16 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, Block, Module, StreamedSaves, load_config, status_bytes, write_json
+from common import (
+    QUIET_TRAINER,
+    Block,
+    Module,
+    StreamedSaves,
+    load_config,
+    record_what_outlives,
+    status_bytes,
+    write_json,
+)
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
@@ -525,6 +534,8 @@ def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("exit_normally"):
+        record_what_outlives(out)
     if cfg.get("kill_launcher_after_spawn"):
         kill_launcher_after_spawn(out)
     if cfg.get("kill_on_save"):
@@ -590,6 +601,8 @@ def main() -> None:
         write_json(out, f"soak{trainer.global_rank}.json", soak.samples)
     if cfg.get("save_path"):
         trainer.save_checkpoint(cfg["save_path"])
+    if cfg.get("exit_normally"):  # a plain script: no destroy_process_group, no os._exit
+        return
     model = trainer.strategy.model
     opt = trainer.optimizers[0]
     if strategy_cfg == "reference":

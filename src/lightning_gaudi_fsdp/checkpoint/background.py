@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed
 
-from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp import _compat, _exit
 from lightning_gaudi_fsdp.checkpoint import storage
 from lightning_gaudi_fsdp.checkpoint.staging import Defer, DeferredCopies, HostStager
 
@@ -214,8 +214,18 @@ class BackgroundSaver:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
                 self._group = dist.new_group(backend="gloo", **kwargs)
+                _exit.close_at_exit(self.close)
             self._group_made = True
         return self._group
+
+    def close(self) -> None:
+        """When the interpreter exits: destroy the background group, which ``finish`` keeps after an interrupted run
+        (a peer's thread might still use it). The save in flight was waited for already (``finish`` at the end of fit,
+        Fabric's wait at exit); a thread still running is given a few seconds more."""
+        job = self._job
+        if job is not None and job.thread is not None:
+            job.thread.join(LONG_WAIT_S)
+        self._close_group()
 
     def _close_group(self) -> None:
         group, self._group, self._group_made = self._group, None, False
