@@ -99,6 +99,18 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row(f"pretrained load, peak anonymous memory per rank / model, {label}", values, target))
             values = {e: p[e][contender]["resident_vs_model"] for e in engines}
             rows.append(_row(f"pretrained load, peak resident memory per rank / model, {label}", values, None))
+    if "resume" in results:
+        r = results["resume"]
+        engines = [e for e in ENGINES if e in r]
+        for fmt in ("sharded", "local"):
+            values = {e: [r[e][str(n)][fmt]["vs_torch_load"] for n in r["layers"]] for e in engines}
+            layers = " and ".join(map(str, r["layers"]))
+            name = f"{fmt} resume: time added / torch.load of the rank's share, {layers} layers"
+            rows.append(_row(name, values, ("<=", r["targets"]["resume_vs_torch_load"])))
+        for key in r[engines[0]]["reshard"]:
+            values = {e: r[e]["reshard"][key]["vs_same_size"] for e in engines}
+            name = f"sharded resume {key} ranks / same-size resume, {r['layers'][-1]} layers"
+            rows.append(_row(name, values, ("<=", r["targets"]["reshard_vs_same_size"])))
     return rows
 
 
@@ -175,6 +187,27 @@ def print_tables(results: dict[str, Any]) -> None:
                     f"{engine.upper() + ' ' + contender:26} {row['shard_bytes'] / 2**20:10.1f} "
                     f"{row['peak_added'] / 2**20:10.1f} {row['peak_vs_model']:11.2f} "
                     f"{row['peak_resident_added'] / 2**20:13.1f} {row['resident_vs_model']:11.2f} {row['load_s']:7.2f}"
+                )
+    if "resume" in results:
+        r = results["resume"]
+        print(f"\n== resume ({r['world_size']} ranks; time fit(ckpt_path) adds before the first step, slowest rank)")
+        print(
+            f"{'engine / layers':18} {'share MiB':>10} {'torch.load s':>13} {'sharded s':>10} {'x':>7} "
+            f"{'local s':>9} {'x':>7}"
+        )
+        for engine in (e for e in ENGINES if e in r):
+            for n in r["layers"]:
+                row = r[engine][str(n)]
+                print(
+                    f"{engine.upper() + ' ' + str(n):18} {row['share_bytes'] / 2**20:10.1f} "
+                    f"{row['sharded']['torch_load_s']:13.2f} {row['sharded']['added_s']:10.2f} "
+                    f"{row['sharded']['vs_torch_load']:7.2f} {row['local']['added_s']:9.2f} "
+                    f"{row['local']['vs_torch_load']:7.2f}"
+                )
+            for key, row in r[engine]["reshard"].items():
+                print(
+                    f"{engine.upper() + ' ' + key:18} sharded resume {row['added_s']:.2f} s, "
+                    f"{row['vs_same_size']:.2f} x same size"
                 )
     rows = summary(results)
     if rows:

@@ -26,6 +26,13 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    ``pretrained_weights`` <= 0.75 of one model per rank at 2 ranks (its shard is 0.5). ``--smoke`` measures FSDP1
    only, and only when asked for (``--smoke --only pretrained``).
 
+5. Resume, per engine (see ``resume.py``): the time ``fit(ckpt_path=...)`` adds before the first step (against the
+   same fit from a fresh model, side by side) over ``torch.load`` of that rank's share of the same state from one
+   file, for ``sharded`` and ``local`` checkpoints of a transformers Llama of width 256 with AdamW, at 8 and 80
+   decoder layers (80 is a 70B Llama's layer count: 723 tensors), 2 ranks; and the 80-layer sharded checkpoint
+   resumed at 1 and 4 ranks over the same resume at 2. Targets: <= 1.5 (resume), <= 2 (reshard). Not in
+   ``--smoke`` unless asked for (``--smoke --only resume``: 2 and 4 layers of width 32).
+
 Writes ``benchmarks/results/latest.json`` (with a ``summary`` of every ratio against its target) and
 ``benchmarks/results/latest.png``. Runs on CPU with gloo (each measurement in its own processes); the numbers are
 ratios measured in one run, not absolute targets. ``BENCH_PROFILE=full|sharded|local`` writes a cProfile of rank 0's
@@ -60,6 +67,9 @@ PRETRAINED_SIZES = {  # vocab, hidden, layers, intermediate, heads: ~0.1 M and ~
     "smoke": (256, 64, 2, 128, 4),
     "full": (8192, 768, 8, 2048, 12),
 }
+RESUME_LAYERS = {"smoke": (2, 4), "full": (8, 80)}
+RESUME_WIDTH = {"smoke": 32, "full": 256}
+RESUME_TARGETS = {"resume_vs_torch_load": 1.5, "reshard_vs_same_size": 2.0}
 CHECKPOINT_TARGETS = {
     "full_save_vs_torch_save": 1.5,
     "throughput_vs_disk": 0.5,
@@ -286,24 +296,74 @@ def bench_pretrained(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def bench_resume(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    size = "smoke" if args.smoke else "full"
+    layers = RESUME_LAYERS[size]
+    out: dict[str, Any] = {"world_size": args.world_size, "layers": list(layers), "targets": RESUME_TARGETS}
+    for engine in ENGINES:
+        out[engine] = {}
+        for n in layers:
+            ckdir = tmp / f"resume-{engine}-{n}"
+            ckdir.mkdir()
+            cfg = {
+                "engine": engine,
+                "layers": n,
+                "width": RESUME_WIDTH[size],
+                "world_size": args.world_size,
+                "formats": ["sharded", "local"],
+                "dir": str(ckdir),
+                "rounds": args.rounds,
+            }
+            result = _worker("resume", cfg, tmp)
+            row: dict[str, Any] = {"share_bytes": result["share_bytes"]}
+            for fmt, rounds in result["rows"].items():
+                row[fmt] = {
+                    "rounds": rounds,
+                    "added_s": statistics.median(r["added_s"] for r in rounds),
+                    "torch_load_s": statistics.median(r["torch_load_s"] for r in rounds),
+                    "vs_torch_load": _paired([r["added_s"] for r in rounds], [r["torch_load_s"] for r in rounds]),
+                }
+            out[engine][str(n)] = row
+        n = layers[-1]
+        same = out[engine][str(n)]["sharded"]["added_s"]
+        out[engine]["reshard"] = {}
+        for world_size in (1, 4):
+            ckpt = str(tmp / f"resume-{engine}-{n}" / f"{engine}-sharded")
+            cfg = {
+                "engine": engine,
+                "layers": n,
+                "width": RESUME_WIDTH[size],
+                "world_size": world_size,
+                "ckpts": {"sharded": ckpt},
+                "dir": str(tmp),
+                "rounds": 1,
+            }
+            added = _worker("resume", cfg, tmp)["rows"]["sharded"][0]["added_s"]
+            key = f"{args.world_size}->{world_size}"
+            out[engine]["reshard"][key] = {"added_s": added, "vs_same_size": added / same}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; seconds, for CI")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the overhead contenders")
     parser.add_argument("--steps", type=int, default=12, help="steps per overhead run (the first 2 are warm-up)")
-    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint", "pretrained"], action="append")
+    parser.add_argument("--only", choices=["overhead", "memory", "checkpoint", "pretrained", "resume"], action="append")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps = min(args.rounds, 1), min(args.steps, 4)
-    # --smoke leaves the pretrained section out unless asked for (--only pretrained): its workers import transformers
-    wanted = args.only or ["overhead", "memory", "checkpoint", *([] if args.smoke else ["pretrained"])]
+    # --smoke leaves the pretrained and resume sections out unless asked for (--only ...): their workers import
+    # transformers
+    wanted = args.only or ["overhead", "memory", "checkpoint", *([] if args.smoke else ["pretrained", "resume"])]
     benches = {
         "overhead": bench_overhead,
         "memory": bench_memory,
         "checkpoint": bench_checkpoint,
         "pretrained": bench_pretrained,
+        "resume": bench_resume,
     }
     results: dict[str, Any] = {"schema": SCHEMA}
     with tempfile.TemporaryDirectory() as tmp:

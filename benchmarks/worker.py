@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import raw  # noqa: E402
+import resume  # noqa: E402
 from models import batch, build, loss_fn  # noqa: E402
 
 FSDP_VERSION = {"fsdp1": 1, "fsdp2": 2}
@@ -401,6 +402,7 @@ MODES = {
     "checkpoint": checkpoint,
     "load_sharded": load_sharded,
     "pretrained_load": pretrained_load,
+    "resume": lambda rank, cfg: (resume.resume(rank, cfg), _leave()),
 }
 
 
@@ -420,11 +422,11 @@ def _rank(rank: int, mode: str, cfg: dict[str, Any], port: int) -> None:
 def launch(mode: str, cfg: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
-    if mode in ("lightning_steps", "checkpoint", "load_sharded", "pretrained_load"):
+    if mode in ("lightning_steps", "checkpoint", "load_sharded", "pretrained_load", "resume"):
         import lightning.pytorch  # noqa: F401  (imported once, before forking)
 
         import lightning_gaudi_fsdp  # noqa: F401
-    if mode == "pretrained_load":
+    if mode in ("pretrained_load", "resume"):
         import transformers.models.llama.modeling_llama  # noqa: F401
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,9 @@ The model is ``transformers``' ``LlamaForCausalLM`` built from a config (no weig
 the generated stride sequences of ``llama_fsdp.py``. Each ``--save-every`` steps every rank writes its shard of a
 sharded checkpoint (``checkpoints/step-NNNNN``); ``--resume`` restores model, optimizer, learning-rate scheduler
 and step from the newest one, in place. ``--async-save`` writes each checkpoint in the background while training goes
-on; ``fabric.strategy.teardown()`` at the end waits for the last one.
+on; ``fabric.strategy.teardown()`` at the end waits for the last one. A SIGTERM (a preempted pod or job, ``kill`` on
+one rank) saves the step just completed the same way and ends every rank with exit code 75; ``--resume`` continues
+from it.
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def main() -> None:
                 lengths=batches * tokens[:, 1:].numel(),
                 flops=flops,
             )
+            if fabric.strategy.preempted:  # a SIGTERM on any rank: True on every rank at the same step
+                fabric.save(args.checkpoints / f"step-{state['step']:05d}", state)  # commits; every rank exits (75)
             if state["step"] % args.save_every == 0 or state["step"] == args.steps:
                 fabric.save(args.checkpoints / f"step-{state['step']:05d}", state)
             if state["step"] >= args.steps:

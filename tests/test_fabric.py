@@ -53,6 +53,8 @@ BAD = [
     {"fsdp_version": 2, "backward_prefetch": "BACKWARD_POST"},
     {"fsdp_version": 2, "use_orig_params": False},
     {"async_save": "later"},
+    {"preemption": "later"},
+    {"preemption_grace": 0},
 ]
 
 

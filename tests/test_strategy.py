@@ -83,11 +83,37 @@ def test_yaml_spellings_become_torch_objects():
         ({"checkpoint_crc32": "yes"}, TypeError, "checkpoint_crc32 must be True or False, got str 'yes'"),
         ({"async_save": "true"}, TypeError, "async_save must be True or False, got str 'true'"),
         ({"async_save": 1}, TypeError, "async_save must be True or False, got int 1"),
+        ({"preemption": "kill"}, ValueError, "preemption='kill' is not supported; expected one of 'save', 'exit'"),
+        ({"preemption": None}, ValueError, "preemption=None is not supported; expected one of 'save', 'exit'"),
+        (
+            {"preemption_grace": 0.5},
+            ValueError,
+            "preemption_grace=0.5 is not supported; expected a number of seconds above 1 and at most 3600",
+        ),
+        ({"preemption_grace": "25s"}, ValueError, "preemption_grace='25s' is not supported"),
     ],
 )
 def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         GaudiFSDPStrategy(**kwargs)
+
+
+def test_preemption_saves_by_default_with_a_25_s_grace_on_both_doors_and_from_yaml():
+    from datetime import timedelta
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_gaudi_fsdp import fabric
+
+    strategy = GaudiFSDPStrategy()
+    assert (strategy._preemption, strategy._preemption_grace) == ("save", 25.0)
+    strategy = fabric.GaudiFSDPStrategy(preemption="EXIT", preemption_grace=timedelta(seconds=50))
+    assert (strategy._preemption, strategy._preemption_grace) == ("exit", 50.0)
+    parser = ArgumentParser()  # LightningCLI's parser
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  preemption: exit\n  preemption_grace: 12\n")
+    strategy = GaudiFSDPStrategy(**config.strategy.as_dict())
+    assert (strategy._preemption, strategy._preemption_grace) == ("exit", 12.0)
 
 
 @pytest.mark.parametrize(

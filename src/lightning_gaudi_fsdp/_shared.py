@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _exit, _liveness, _report, gaudi, options
+from lightning_gaudi_fsdp import _exit, _liveness, _preemption, _report, gaudi, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 
 log = logging.getLogger("lightning_gaudi_fsdp")
@@ -57,6 +57,8 @@ class Resolved:
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
+    preemption: str  # "save" or "exit"
+    preemption_grace: float  # seconds from a SIGTERM until every rank has left
 
 
 def resolve(
@@ -89,6 +91,8 @@ def resolve(
     pretrained_prefix: Any = "",
     failure_timeout: Any = None,
     stuck_timeout: Any = None,
+    preemption: Any = "save",
+    preemption_grace: Any = _preemption.DEFAULT_GRACE_S,
 ) -> Resolved:
     """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
     defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
@@ -169,6 +173,8 @@ def resolve(
         pretrained=weights,
         failure_timeout=_liveness.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
+        preemption=options.resolve_preemption(preemption),
+        preemption_grace=options.resolve_preemption_grace(preemption_grace),
     )
 
 
@@ -210,6 +216,9 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._pretrained = resolved.pretrained
     door._failure_timeout = resolved.failure_timeout
     door._stuck_timeout = resolved.stuck_timeout
+    door._preemption = resolved.preemption
+    door._preemption_grace = resolved.preemption_grace
+    door._preempt = None  # the SIGTERM watcher while one runs (preemption="save")
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
@@ -342,6 +351,7 @@ def after_process_group(door: Any) -> None:
         # An exception that ends the script outside the door's own hooks (Fabric has none; after the Trainer's
         # teardown, a script's own collective) still names the rank that was lost.
         _liveness.report_uncaught(door._heartbeat)
+    _preemption.arm(door)
 
 
 def stop_heartbeat(door: Any) -> None:

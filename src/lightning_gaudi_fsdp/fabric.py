@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _preemption, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats, loading, views
 from lightning_gaudi_fsdp.engine import fsdp2
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
@@ -72,6 +72,15 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     ``fabric.load``/``load_raw``, by ``fabric.strategy.teardown()`` (each raises a failed background save on every
     rank as ``CheckpointSaveError``), and, as a last resort, when the interpreter exits (``atexit``; a failure there
     is logged, not raised, and ``os._exit`` skips it).
+
+    ``preemption="save"`` (default): a loop that reads ``fabric.strategy.preempted`` once per step saves and leaves
+    when any rank receives SIGTERM::
+
+        if fabric.strategy.preempted:  # the same answer on every rank, at the same step
+            fabric.save(path, state)  # commits (a background save too), then every rank leaves with exit code 75
+
+    A SIGTERM before the first read (setup) ends every rank at once (nothing to save), and every rank leaves within
+    ``preemption_grace`` seconds whatever happens (README: "Preemption").
     """
 
     strategy_name = "gaudi_fsdp"
@@ -100,6 +109,13 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             self._background.active = True  # every fabric.save, until teardown
         self._waits_at_exit = False
         self._models: weakref.WeakSet[Module] = weakref.WeakSet()  # every model set up, for load_raw(optimizer)
+
+    @property
+    def preempted(self) -> bool:
+        """Read once per step, at the same point of the loop on every rank: ``True`` on every rank at the same
+        step once any rank received SIGTERM (``preemption="save"``); the next ``fabric.save`` then commits and the
+        process leaves with exit code 75. Costs two attribute reads until a signal comes."""
+        return _preemption.preempted(self)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -134,6 +150,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
                 self._background.finish(rank=self.global_rank, gather=gather)
         finally:
             _shared.stop_heartbeat(self)
+            _preemption.stop(self)  # a rank told of a SIGTERM leaves here
             # Lightning's Strategy.teardown, less checkpoint_io.teardown(): its Fabric FSDPStrategy raises
             # NotImplementedError from the checkpoint_io property, so the inherited teardown cannot run.
             self.cluster_environment.teardown()  # type: ignore[union-attr]
@@ -252,6 +269,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             atexit.register(self._wait_at_exit)
             self._waits_at_exit = True
         _checkpoints.save_checkpoint(self, checkpoint, path, metadata, model, list(optimizers.values()), stream)
+        _preemption.after_fabric_save(self, path)  # at the preemption's save point: commit, then leave
 
     def _wait_at_exit(self) -> None:
         # The process is ending and its peers may be gone: no agreement over the main group, a bounded wait.

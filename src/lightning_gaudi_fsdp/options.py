@@ -504,6 +504,30 @@ def resolve_seconds(value: timedelta | float | None, argument: str) -> float | N
     )
 
 
+PREEMPTION_MODES = ("save", "exit")
+
+
+def resolve_preemption(value: object) -> str:
+    """``preemption``: ``"save"`` (a SIGTERM saves the completed step and leaves) or ``"exit"`` (Lightning's own
+    handling), any case."""
+    if not isinstance(value, str) or value.strip().lower() not in PREEMPTION_MODES:
+        raise _unsupported("preemption", value, PREEMPTION_MODES)
+    return value.strip().lower()
+
+
+def resolve_preemption_grace(value: timedelta | float) -> float:
+    """``preemption_grace``: seconds from the signal until every rank has left, more than 1 (the margin kept for
+    leaving) and at most an hour."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool) and 1 < value <= 3600:
+        return float(value)
+    raise ValueError(
+        f"preemption_grace={value!r} is not supported; expected a number of seconds above 1 and at most 3600, or a "
+        "timedelta"
+    )
+
+
 def resolve_callable(value: Any, argument: str) -> Any:
     if isinstance(value, str):
         value = import_object(value, argument)

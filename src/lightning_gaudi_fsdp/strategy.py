@@ -27,7 +27,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _liveness, _shared, precision
+from lightning_gaudi_fsdp import _checkpoints, _liveness, _preemption, _shared, precision
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -105,6 +105,19 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             once and every rank exits with code 1, the waiting ones naming the stuck rank (node, process id) and
             the collective they waited in. ``None`` (default): off, and ``timeout`` alone bounds a collective.
             Set it above your longest legitimate wait (a slow rank's save, an uneven validation).
+        preemption: what a SIGTERM to any rank does during ``fit`` (Kubernetes, SLURM and torchrun end a job with
+            it, then SIGKILL). ``"save"`` (default): every rank learns of it within a step without a collective,
+            finishes the step in flight, saves that step in ``state_dict_type``'s format to where
+            ``Trainer.fit(ckpt_path="last")`` finds it (the ``ModelCheckpoint``'s ``last.ckpt`` whatever its
+            ``save_last``, else ``<default_root_dir>/checkpoints/last.ckpt``; an asynchronous save in flight is
+            finished first), and leaves with exit code 75, each rank printing one line with the signal, the step and
+            the path. Before training starts (setup, sanity check, restore) there is nothing to save and every rank
+            leaves at once with the same code. ``"exit"``: Lightning's own handling (no checkpoint). README:
+            "Preemption".
+        preemption_grace: seconds (default 25, above 1) from the signal until every rank has left: a save not
+            finished one second before it ends is abandoned (nothing partial is visible, the previous ``last.ckpt``
+            stays) and every rank leaves, saying so. Keep it below the launcher's kill delay (Kubernetes'
+            ``terminationGracePeriodSeconds``, SLURM's ``KillWait``, both 30 s by default).
         async_save: ``True`` makes saves during ``fit`` return once the state is staged into host buffers (kept
             from one save to the next); a background thread writes and commits it while training goes on, in any
             ``state_dict_type``. Parameters and optimizer state in host memory are copied by that thread during the
@@ -161,6 +174,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         pretrained_prefix: str = "",
         failure_timeout: float | None = None,
         stuck_timeout: float | None = None,
+        preemption: str = "save",
+        preemption_grace: float = 25.0,
         async_save: bool = False,
     ) -> None:
         resolved = _shared.resolve_from(locals())
@@ -186,6 +201,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             self._finish_background_saves()
         finally:
             _shared.stop_heartbeat(self)
+            _preemption.stop(self)  # a rank told of a SIGTERM leaves here
             super().teardown()
 
     @override
@@ -417,6 +433,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        _preemption.start_training(self)
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import io
 import json
 import os
 import pickle
@@ -286,3 +287,60 @@ def test_a_kept_distributed_reader_reads_the_metadata_once_for_many_reads(tmp_pa
         (tmp_path / ".metadata").unlink(missing_ok=True)
     with pytest.raises(Exception, match=r"\.metadata"):
         trust.read_distributed(tmp_path, {"model": {"w0": torch.empty(8, 4)}}, DefaultLoadPlanner())
+
+
+# ----------------------------------------------------------------------- tensor entries read without torch.load
+TENSORS = {
+    "matrix": torch.randn(5, 3),
+    "transposed": torch.randn(4, 6).t(),
+    "view with offset": torch.randn(10)[3:7],
+    "scalar step": torch.tensor(7.0),
+    "empty": torch.zeros(0, 3),
+    "bf16": torch.randn(8).bfloat16(),
+    "int64": torch.arange(6).view(2, 3),
+}
+
+
+def _archive(obj: Any) -> bytearray:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return bytearray(buffer.getvalue())
+
+
+@pytest.mark.parametrize("name", TENSORS)
+def test_tensor_entries_decode_bitwise_as_torch_load_reads_them(name):
+    """A sharded resume decodes each DCP tensor entry (one ``torch.save`` archive) itself: same values, dtype,
+    shape and strides as ``torch.load(..., weights_only=True)``."""
+    data = _archive(TENSORS[name])
+    decoded = trust.tensor_from_archive(data)
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    assert decoded is not None
+    assert (decoded.dtype, decoded.shape, decoded.stride()) == (loaded.dtype, loaded.shape, loaded.stride())
+    assert torch.equal(decoded, loaded)
+
+
+def test_tensor_entry_decoder_runs_nothing_and_leaves_other_archives_to_torch_load(tmp_path):
+    marker = tmp_path / "ran"
+    for obj in (Payload(marker), [torch.ones(2), Payload(marker)], {"step": 3}):
+        assert trust.tensor_from_archive(_archive(obj)) is None
+    assert trust.tensor_from_archive(bytearray(b"not an archive" * 4)) is None
+    assert not marker.exists()
+
+
+def test_sharded_pieces_read_each_box_of_the_saved_tensors(tmp_path):
+    """``fast_load.read_pieces`` reads the boxes a rank lists straight into its tensors, from files written by DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_gaudi_fsdp.checkpoint import fast_load
+
+    saved = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}, "optimizer_0": {"step": torch.tensor(3.0)}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    metadata = trust.storage_reader(tmp_path).read_metadata()
+    rows, corner, step = torch.empty(3, 4), torch.empty(1, 2), torch.empty(())
+    pieces = {"model.w": [((2, 0), rows), ((5, 2), corner)], "optimizer_0.step": [((), step)]}
+    assert fast_load.read_pieces(tmp_path, metadata, pieces)
+    assert torch.equal(rows, saved["model"]["w"][2:5])
+    assert torch.equal(corner, saved["model"]["w"][5:6, 2:4])
+    assert torch.equal(step, saved["optimizer_0"]["step"])
+    with pytest.raises(RuntimeError, match=r"Missing key in checkpoint state_dict: model\.nothing"):
+        fast_load.read_pieces(tmp_path, metadata, {"model.nothing": [((0,), torch.empty(1))]})

@@ -81,6 +81,7 @@ class Module(L.LightningModule):
         manual: bool = False,
         manual_clip_norm: float | None = None,
         manual_bypass_root: bool = False,
+        stateful_loader: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -162,7 +163,8 @@ class Module(L.LightningModule):
         sampler = None
         if torch.distributed.is_initialized():
             sampler = DistributedSampler(data, shuffle=False)
-        return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
+        loader = ResumableLoader if self.hparams.stateful_loader else DataLoader
+        return loader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(RandomRegression(64, seed=99), batch_size=self.hparams.batch_size)
@@ -180,6 +182,32 @@ class Module(L.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that resumes mid-epoch (the ``state_dict``/``load_state_dict`` Lightning saves in checkpoints, as
+    torchdata's ``StatefulDataLoader`` has; torchdata is not installed here): it counts the batches it handed out in
+    the running epoch, and after ``load_state_dict`` the next epoch's iterator skips that many."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handed_out = 0
+        self._skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self._skip = self._skip, 0
+        self._handed_out = 0
+        for i, batch in enumerate(super().__iter__()):
+            self._handed_out += 1
+            if i >= skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"handed_out": self._handed_out}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        handed_out = state["handed_out"]
+        self._skip = handed_out if 0 < handed_out < len(self) else 0  # at an epoch's end the next starts afresh
 
 
 def load_config() -> dict[str, Any]:

@@ -11,10 +11,11 @@ Other keys: ``fail`` ({rank, step, kind}: that rank raises, SIGKILLs itself with
 with ``kind="hang"``, at that global step), ``strategy_rank1`` (arguments rank 1 alone takes), ``slow_writes`` (each
 checkpoint write first sleeps that many seconds), ``slow_copies`` (an async save's background copies start that many
 seconds late), ``exit_normally`` (end after training without teardown or
-``os._exit``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full format, ``fabric.save(filter=...)``
-round trips; results under ``raw`` in the rank's JSON), ``lightning_layout`` (beside ``save``, the same state is
-also saved there in the layout Lightning's own Fabric writes, without this package's save: see
-``save_lightning_layout``).
+``os._exit``), ``preempt`` ({step, to, delay, path}: a SIGTERM as ``train.SignalAt`` sends it; the loop saves to
+``path`` when ``fabric.strategy.preempted``), ``raw_checks`` (after training: ``fabric.load_raw`` and, in full
+format, ``fabric.save(filter=...)`` round trips; results under ``raw`` in the rank's JSON), ``lightning_layout``
+(beside ``save``, the same state is also saved there in the layout Lightning's own Fabric writes, without this
+package's save: see ``save_lightning_layout``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import lightning as L
 import torch
 from common import Module, RandomRegression, StreamedSaves, load_config, record_what_outlives, write_json
 from torch import nn
-from train import arm_slow_copies, arm_write_probes, leave
+from train import arm_slow_copies, arm_write_probes, leave, sigterm_later
 
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
@@ -212,6 +213,7 @@ def main() -> None:
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
     fail = cfg.get("fail")
+    preempt = cfg.get("preempt")  # {"step", "to", "delay", "path"}: see train.SignalAt
     fabric.seed_everything(7)
     with fabric.init_module(empty_init=True):
         module = Module(depth=3)
@@ -289,6 +291,10 @@ def main() -> None:
             scheduler.step()
             losses.append(float(fabric.all_reduce(total, reduce_op="mean")))
             state["global_step"] = state.get("global_step", 0) + 1
+            if preempt and state["global_step"] == preempt["step"]:
+                sigterm_later(preempt["to"], rank, out, preempt.get("delay", 0.0))
+            if fabric.strategy.preempted:  # the same answer on every rank, at the same step
+                fabric.save(preempt["path"], state)  # commits, then every rank leaves (exit code 75)
             if reference is not None:
                 loss = nn.functional.mse_loss(reference(x), y)
                 loss.backward()

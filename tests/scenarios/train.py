@@ -530,6 +530,80 @@ class KillAt(Callback):
         self._here(trainer, "validation")
 
 
+class SignalAt(Callback):
+    """``sigterm: {"step", "to", "delay", "slow_disk"}``: ``delay`` seconds after training step ``step`` ended (so
+    during a later step), a real SIGTERM from a timer thread: ``to="rank1"`` (that rank to itself), ``"all"`` (each rank
+    to itself), ``"launcher"`` (rank 0 to the process that launched the job: itself under Lightning's launcher,
+    torchrun's agent under torchrun). The monotonic time of each signal goes to ``signalled<rank>.json``.
+    ``slow_disk``: from then on every checkpoint write first sleeps that many seconds. ``phase``: instead of after a
+    step, in the ``setup`` hook, at the first validation batch (``validation``) or at ``on_train_end``
+    (``teardown``)."""
+
+    def __init__(
+        self, out: Path, step: int = 0, to: str = "rank1", delay: float = 0.0, slow_disk: float = 0.0, phase: str = ""
+    ) -> None:
+        self.step, self.to, self.out, self.delay, self.slow_disk, self.phase = step, to, out, delay, slow_disk, phase
+
+    def _send(self, trainer: L.Trainer, phase: str) -> None:
+        if phase == self.phase:
+            self.phase = "sent"
+            sigterm_later(self.to, trainer.global_rank, self.out, self.delay, self.slow_disk)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self._send(trainer, "")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._send(trainer, "setup")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._send(trainer, "validation")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._send(trainer, "teardown")
+
+
+def sigterm_later(to: str, rank: int, out: Path, delay: float, slow_disk: float = 0.0) -> None:
+    """See :class:`SignalAt`; called on every rank."""
+    import signal
+    import threading
+
+    if to == "all" or (to == "rank1" and rank == 1):
+        target = os.getpid()
+    elif to == "launcher" and rank == 0:
+        target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    else:
+        return
+    if slow_disk:
+        arm_slow_disk(slow_disk)
+
+    def send() -> None:
+        write_json(out, f"signalled{rank}.json", {"at": time.monotonic(), "pid": target})
+        os.kill(target, signal.SIGTERM)
+
+    if delay:
+        threading.Timer(delay, send).start()
+    else:
+        send()
+
+
+def arm_slow_disk(seconds: float) -> None:
+    """Every checkpoint write from now on first sleeps ``seconds`` (a disk too slow for the grace period)."""
+    from lightning_gaudi_fsdp import _compat
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+    def slowed(real: Any) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return real(*args, **kwargs)
+
+        return write
+
+    formats.save_file = slowed(formats.save_file)
+    _compat.dcp_save = slowed(_compat.dcp_save)
+    FullStream.write = slowed(FullStream.write)  # type: ignore[method-assign]
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
@@ -565,6 +639,8 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if kill_at is not None:
         callbacks.append(kill_at)
+    if cfg.get("sigterm"):
+        callbacks.append(SignalAt(**cfg["sigterm"], out=out))
     if cfg.get("hook_reads_checkpoint"):
         callbacks.append(SeesCheckpoint(out))
     if cfg.get("failed_build_then_direct_save"):

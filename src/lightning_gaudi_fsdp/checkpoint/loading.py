@@ -16,6 +16,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp.checkpoint import fast_load
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -25,11 +26,17 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointFormat,
     detect_format,
     local_shard_name,
+    model_state_dict,
     read_local_metadata,
     state_dict_context,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
-from lightning_gaudi_fsdp.checkpoint.trust import check_distributed_entries, load_file, storage_reader
+from lightning_gaudi_fsdp.checkpoint.trust import (
+    check_distributed_entries,
+    load_file,
+    read_distributed,
+    storage_reader,
+)
 from lightning_gaudi_fsdp.checkpoint.views import (
     dcp_model_key,
     dcp_optimizer_key,
@@ -37,7 +44,7 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     internal_view,
     with_dcp_keys,
 )
-from lightning_gaudi_fsdp.engine import fsdp2, fsdp2_state
+from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
 
 
 # ------------------------------------------------------------------------------------------------------ checking
@@ -84,14 +91,17 @@ def check_sharded(
     weights_only: bool,
     view: dict[str, Any],
     hints: Hints,
+    reader: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Read and check the DCP metadata against ``model_state`` (a sharded state dict); returns the metadata and
     ``view`` (the checkpoint's rest) naming the DCP keys of the model and optimizers. With ``weights_only``, every
-    non-tensor entry is also unpickled safely (they are small)."""
+    non-tensor entry is also unpickled safely (they are small). ``reader``: the :func:`.trust.storage_reader` to
+    read with (it keeps the metadata for later reads)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    reader = reader if reader is not None else storage_reader(path, weights_only=weights_only)
     try:
-        metadata = storage_reader(path, weights_only=weights_only).read_metadata()
+        metadata = reader.read_metadata()
     except CheckpointError:
         raise
     except Exception as err:
@@ -103,7 +113,7 @@ def check_sharded(
         if file.stat().st_size < info.offset + info.length:
             raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
     if weights_only:
-        check_distributed_entries(path, metadata)
+        check_distributed_entries(path, metadata, reader=reader)
     view = with_dcp_keys(view, list(metadata.state_dict_metadata), *hints)
     prefix = f"{dcp_model_key(view)}."
     saved = {
@@ -165,6 +175,7 @@ class PendingLoad:
     dcp_metadata: Any = None
     weights_only: bool = True
     optimizer_groups: list[Any] = field(default_factory=list)  # hyper-parameters kept beside sharded state
+    dcp_reader: Any = None  # sharded: the reader that read the metadata, kept for the data (read once)
 
 
 def check_load(
@@ -192,6 +203,9 @@ def check_load(
     engine2 = fsdp2.is_fsdp2(model)
     if fmt in ("sharded", "local") and engine2:
         current = fsdp2_state.sharded_template(model) if fmt == "sharded" else model.state_dict()
+    elif fmt == "sharded" and fsdp1_state.supported(model):
+        # views of this rank's own slices (see fast_load), built without collectives; torch's all-gathers
+        current = model_state_dict(model, "sharded", device_type)
     elif fmt in ("sharded", "local"):
         with state_dict_context(model, fmt, device_type):
             current = model.state_dict()
@@ -205,8 +219,11 @@ def check_load(
     if fmt == "sharded":
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         rest = internal_view(rest, path)
-        metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints)
-        return PendingLoad(fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only)
+        reader = storage_reader(path, weights_only=weights_only)
+        metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints, reader)
+        return PendingLoad(
+            fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only, dcp_reader=reader
+        )
     check_local(path, model, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
     rest = internal_view(rest, path)
@@ -313,6 +330,8 @@ def _apply_fsdp2_load(
     device_type: str,
 ) -> None:
     path = pending.path
+    if pending.fmt == "sharded" and _load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+        return
     if pending.fmt == "full":
         fsdp2_state.load_full(model, pending.model_state, strict)
     elif pending.fmt == "sharded":
@@ -414,6 +433,11 @@ def _load_sharded(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     path = pending.path
+    if _load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+        return
+    if fsdp1_state.supported(model):  # the template check_load built is the package's: torch's path needs its own
+        with state_dict_context(model, "sharded", device_type):
+            pending.model_state = model.state_dict()
     with state_dict_context(model, "sharded", device_type):
         model_key = dcp_model_key(pending.rest)
         state = {model_key: pending.model_state}
@@ -441,3 +465,37 @@ def _load_local(pending: PendingLoad, model: Module, device_type: str) -> None:
             else:
                 current[key] = value
         model.load_state_dict(current, strict=False)
+
+
+def _load_sharded_fast(
+    pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
+) -> bool:
+    """Load a sharded checkpoint with one read straight into this rank's shards (see :mod:`.fast_load`); ``False``
+    (nothing changed) where torch's path must do it. Every rank decides the same way (the decision depends on the
+    model's structure and the checkpoint only)."""
+    planned = fast_load.plan(
+        model,
+        pending.model_state,
+        optimizers,
+        pending.dcp_metadata,
+        pending.optimizer_groups,
+        strict=strict,
+        load_optimizers=load_optimizers,
+        model_key=dcp_model_key(pending.rest),
+        optimizer_keys=[dcp_optimizer_key(pending.rest, idx) for idx in range(len(optimizers))],
+    )
+    if planned is None:
+        return False
+
+    def read(pieces: fast_load.Pieces, planner: Any) -> None:
+        try:
+            done = fast_load.read_pieces(pending.path, pending.dcp_metadata, pieces)
+        except CheckpointError:
+            raise
+        except Exception as err:  # damage, or an entry safe loading refuses: named as DCP's own reader names it
+            raise CheckpointError(pending.path, f"the distributed checkpoint could not be read: {err}") from err
+        if not done:
+            read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
+
+    fast_load.apply(planned, read)
+    return True

@@ -179,14 +179,21 @@ def _sharded_tensor(param: _Param, flat_slice: torch.Tensor) -> Any:
         for r, boxes in enumerate(param.boxes)
         for box in boxes
     }
-    local, position = [], 0
-    for box in param.boxes[rank]:
-        numel = math.prod(box.sizes)
-        local.append(Shard(flat_slice[position : position + numel].view(box.sizes), metadata[(rank, box)]))
-        position += numel
+    local = [Shard(piece, metadata[(rank, box)]) for box, piece in local_pieces(param, flat_slice, rank)]
     properties = TensorProperties(dtype=flat_slice.dtype, requires_grad=False)
     global_metadata = ShardedTensorMetadata(list(metadata.values()), torch.Size(param.shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
+
+
+def local_pieces(param: _Param, flat_slice: torch.Tensor, rank: int) -> list[tuple[Box, torch.Tensor]]:
+    """``rank``'s boxes of ``param`` and, for each, its view of ``flat_slice`` (that rank's elements of the parameter,
+    in flat order) in the box's shape."""
+    pieces, position = [], 0
+    for box in param.boxes[rank]:
+        numel = math.prod(box.sizes)
+        pieces.append((box, flat_slice[position : position + numel].view(box.sizes)))
+        position += numel
+    return pieces
 
 
 def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""Resume time against reading the bytes: the worker side of ``run.py --only resume`` (``worker.py resume CFG``).
+
+One Trainer trains a transformers Llama (``cfg["layers"]`` decoder layers of width ``cfg["width"]``, AdamW) for one
+step and saves it in every format of ``cfg["formats"]``. Then, in the same processes, for each format and round: a
+fresh ``fit`` and a ``fit(ckpt_path=...)`` of one step each, timed from ``on_fit_start`` (Lightning restores after
+it) to the first ``on_train_batch_start``: the resume's difference is the time it adds before training starts. The
+baseline is ``torch.load`` of this rank's share of the same state from one plain file (the rank's file of the local
+checkpoint: its shard of the weights and of the AdamW state). A checkpoint written elsewhere (``cfg["ckpts"]``, a
+reshard) is resumed the same way at this world size. ``BENCH_PROFILE_RESUME=<format>`` writes a cProfile of rank 0's
+resume of that format to ``BENCH_PROFILE_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FSDP_VERSION = {"fsdp1": 1, "fsdp2": 2}
+LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+
+
+def _module(cfg: dict[str, Any]) -> Any:
+    import lightning as L
+    import transformers
+    from torch.utils.data import DataLoader, Dataset
+
+    class Tokens(Dataset):
+        def __len__(self) -> int:
+            return 10**6
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(i)
+            return torch.randint(0, 1024, (33,), generator=g)
+
+    class Llama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.LlamaConfig(
+                vocab_size=1024,
+                hidden_size=cfg["width"],
+                intermediate_size=2 * cfg["width"],
+                num_hidden_layers=cfg["layers"],
+                num_attention_heads=4,
+                num_key_value_heads=4,
+            )
+            torch.manual_seed(0)
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, tokens: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Tokens(), batch_size=2)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Llama()
+
+
+class _Window:
+    """Seconds from ``on_fit_start`` (Lightning restores a checkpoint after it) to the first training batch; with
+    ``profile``, a cProfile of that window."""
+
+    def __new__(cls, profile: Path | None = None) -> Any:
+        from lightning.pytorch.callbacks import Callback
+
+        class Window(Callback):
+            seconds = 0.0
+
+            def on_fit_start(self, *args: Any) -> None:
+                if profile is not None:
+                    import cProfile
+
+                    self.profiler = cProfile.Profile()
+                    self.profiler.enable()
+                self.start = time.perf_counter()
+
+            def on_train_batch_start(self, *args: Any) -> None:
+                if self.seconds == 0.0:
+                    self.seconds = time.perf_counter() - self.start
+                    if profile is not None:
+                        import pstats
+
+                        self.profiler.disable()
+                        with open(profile, "w") as handle:
+                            stats = pstats.Stats(self.profiler, stream=handle)
+                            stats.sort_stats("cumulative").print_stats(60)
+                            stats.sort_stats("tottime").print_stats(30)
+
+        return Window()
+
+
+def _trainer(cfg: dict[str, Any], engine: str, callback: Any, max_steps: int) -> Any:
+    import lightning as L
+
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy
+
+    strategy = GaudiFSDPStrategy(auto_wrap_policy=[LAYER], fsdp_version=FSDP_VERSION[engine])
+    return L.Trainer(
+        accelerator="cpu",
+        devices=cfg["world_size"],
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[callback],
+    )
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _window(cfg: dict[str, Any], engine: str, ckpt: str | None, profile: Path | None = None) -> float:
+    callback = _Window(profile)
+    trainer = _trainer(cfg, engine, callback, max_steps=2 if ckpt else 1)
+    trainer.fit(_module(cfg), ckpt_path=ckpt)
+    return _slowest(callback.seconds)
+
+
+def _torch_load(file: Path) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    torch.load(file, map_location="cpu", weights_only=True)
+    return _slowest(time.perf_counter() - start)
+
+
+def resume(rank: int, cfg: dict[str, Any]) -> None:
+    """Save (unless ``cfg["ckpts"]`` names checkpoints written elsewhere), then time fresh and resumed fits."""
+    out = Path(cfg["dir"])
+    engine = cfg["engine"]
+    ckpts = cfg.get("ckpts")
+    if ckpts is None:
+        writer = _trainer(cfg, engine, _Window(), max_steps=1)
+        writer.fit(_module(cfg))
+        ckpts = {}
+        for fmt in cfg["formats"]:
+            writer.strategy._state_dict_type = fmt
+            ckpts[fmt] = str(out / f"{engine}-{fmt}")
+            writer.save_checkpoint(ckpts[fmt])
+        del writer
+    share = Path(cfg.get("share") or out / f"{engine}-local") / f"rank_{rank:05d}.pt"
+    profile_fmt = os.environ.get("BENCH_PROFILE_RESUME")
+    profile_dir = Path(os.environ.get("BENCH_PROFILE_DIR", out))
+    rows: dict[str, list[dict[str, float]]] = {fmt: [] for fmt in ckpts}
+    for round_ in range(cfg.get("rounds", 1)):
+        for fmt, ckpt in ckpts.items():
+            profile = None
+            if round_ == 0 and rank == 0 and profile_fmt == fmt:
+                profile = profile_dir / f"profile-resume-{engine}-{fmt}-{cfg['layers']}.txt"
+            fresh = _window(cfg, engine, None)
+            resumed = _window(cfg, engine, ckpt, profile)
+            load = _torch_load(share) if share.is_file() else float("nan")
+            rows[fmt].append({"fresh_s": fresh, "resume_s": resumed, "added_s": resumed - fresh, "torch_load_s": load})
+    if rank == 0:
+        share_bytes = share.stat().st_size if share.is_file() else 0
+        Path(cfg["result"]).write_text(__import__("json").dumps({"rows": rows, "share_bytes": share_bytes}))

@@ -1,0 +1,398 @@
+"""Sharded (DCP) resumes that read each rank's bytes in one pass and put them straight into its shards.
+
+torch's way to resume a sharded checkpoint costs far more than reading it (issue 31, 2 CPU ranks, a Llama of 80
+layers: 27x ``torch.load`` of the rank's share with FSDP1): every ``dcp.load`` plans with two collectives, the model
+and each optimizer are read in separate passes, FSDP1's ``load_state_dict`` all-gathers each parameter again and its
+``optim_state_dict_to_load`` moves and gathers optimizer state parameter by parameter (pytorch#120016, #111096,
+#110479), FSDP2's ``get_optimizer_state_dict`` first runs a step on zero gradients to create state to load into, and
+DCP's default planner touches every ``ShardedTensor`` through its ``__torch_function__`` (a few ms each).
+
+Here every rank lists the pieces it holds itself, each a box of a saved tensor (offsets and sizes) and the tensor it
+goes into: for the model, views of its live shards (FSDP1: its slices of each flat parameter, as
+:func:`.fsdp1_state.model_state_dict` saves them; FSDP2: each parameter's local shard); for each optimizer, state
+tensors allocated in the shape they have on this rank, with the keys and dtypes the checkpoint's metadata lists. One
+read in this process alone (no collectives: each rank knows what it needs), planned by :class:`_PiecePlanner` and
+done by the same safe reader as every other read (:mod:`.trust`), fills all of it; each optimizer then gets its
+state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
+
+:func:`plan` says whether this applies (``None``: the caller takes torch's path): FSDP1 where the package saves
+sharded state itself (:func:`.fsdp1_state.supported`), FSDP2 with every parameter a DTensor; every optimizer parameter
+under FSDP; only tensors in the optimizer's per-parameter state; the hyper-parameters recorded by this package for
+exactly these parameters, group by group.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
+
+# A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
+# shaped like the box).
+Pieces = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
+
+
+@dataclass
+class _Optimizer:
+    """One optimizer's part of the read: per parameter index, the state tensors the read fills."""
+
+    state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """What one rank reads, and how the optimizer entries become each optimizer's state afterwards."""
+
+    pieces: Pieces
+    optimizers: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]]
+    live: list[tuple[torch.Tensor, torch.Tensor]]  # (read into, live tensor) where the two are not the same memory
+
+
+def _saved_entries(metadata: Any) -> dict[str, dict[str, Any]]:
+    """The checkpoint's entries grouped by owner: ``"optimizer_0.state.<fqn>"`` -> {``"exp_avg"``: its metadata}."""
+    grouped: dict[str, dict[str, Any]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        owner, _, leaf = key.rpartition(".")
+        grouped.setdefault(owner, {})[leaf] = md
+    return grouped
+
+
+def plan(
+    model: Module,
+    model_state: Mapping[str, Any],
+    optimizers: Sequence[Optimizer],
+    metadata: Any,
+    groups: Sequence[Any],
+    *,
+    strict: bool,
+    load_optimizers: bool,
+    model_key: str = "model",
+    optimizer_keys: Sequence[str | None] = (),
+) -> Plan | None:
+    """The read that fills ``model`` (from ``model_state``, the sharded template :func:`.loading.check_load` built)
+    and ``optimizers``; ``None`` where torch's path must do it (see the module's docstring). ``model_key``,
+    ``optimizer_keys``: the DCP keys of the model and of each optimizer (the Trainer's: ``model``,
+    ``optimizer_<i>``; a Fabric checkpoint's: the keys of the user's state, see :mod:`.views`)."""
+    engine2 = fsdp2.is_fsdp2(model)
+    if not (engine2 or fsdp1_state.supported(model)):
+        return None
+    keys = set(metadata.state_dict_metadata)
+    model_template = {k: v for k, v in model_state.items() if strict or f"{model_key}.{k}" in keys}
+    live = _live_copies(model, model_template)
+    if live is None:
+        return None
+    pieces: Pieces = {f"{model_key}.{k}": _pieces_of(v) for k, v in model_template.items()}
+    planned: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]] = []
+    if load_optimizers and not all(k.startswith(f"{model_key}.") for k in keys):
+        params = _fsdp2_params(model) if engine2 else _fsdp1_params(model)
+        if params is None:
+            return None
+        saved = _saved_entries(metadata)
+        for idx, optimizer in enumerate(optimizers):
+            key = optimizer_keys[idx] if idx < len(optimizer_keys) else f"optimizer_{idx}"
+            saved_groups = groups[idx].get("param_groups") if idx < len(groups) else None
+            if key is None or not any(k.startswith(f"{key}.") for k in keys):
+                return None  # torch's path raises its error
+            names = [[n for p in g["params"] for n in params.get(id(p), ((), None))[0]] for g in optimizer.param_groups]
+            if saved_groups is None or [g.get("params") for g in saved_groups] != names:
+                return None
+            one = _optimizer_pieces(optimizer, params, saved, key, pieces)
+            if one is None:
+                return None
+            planned.append((optimizer, one, saved_groups))
+    return Plan(pieces, planned, live)
+
+
+def _pieces_of(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """This rank's pieces of a template entry: a ``ShardedTensor``'s local shards, a DTensor's local chunk, or a
+    plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(value, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return [(offsets, local) for offsets in _chunk_offsets(value) if local.numel() > 0]
+    return [((0,) * value.dim(), value)]
+
+
+_OFFSETS: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}
+
+
+def _chunk_offsets(value: Any) -> list[tuple[int, ...]]:
+    """Where this rank's chunk of a DTensor starts (DCP's own computation, a millisecond each): computed once per
+    global shape, layout, mesh and place of this rank in it (an 80-layer model has a handful)."""
+    mesh = value.device_mesh
+    key = (tuple(value.shape), tuple(value.stride()), tuple(value.placements), repr(mesh), mesh.get_coordinate())
+    if key not in _OFFSETS:
+        _OFFSETS[key] = [tuple(c.offsets) for c in value.__create_chunk_list__()]
+    return _OFFSETS[key]
+
+
+def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The entries of the template that are not the model's own memory (FSDP1: buffers and parameters FSDP does not
+    shard, copied off an accelerator; its sharded entries are views by construction), paired with the local tensor
+    they are copied into after the read; ``None`` for an entry that is not one of the model's tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+
+    own = {_clean(n): t for n, t in (*model.named_parameters(), *model.named_buffers())}
+    pairs = []
+    for key, value in template.items():
+        if hasattr(value, "local_shards"):
+            continue
+        target = own.get(key)
+        if not isinstance(value, torch.Tensor) or target is None:
+            return None
+        if isinstance(value, DTensor) != isinstance(target, DTensor):
+            return None
+        if isinstance(value, DTensor):
+            value, target = value.to_local(), target.to_local()
+        if value.data_ptr() != target.data_ptr() or value.dtype != target.dtype or value.shape != target.shape:
+            pairs.append((value, target.detach()))
+    return pairs
+
+
+# ----------------------------------------------------------------------------------------------- optimizer state
+# For each parameter the optimizer sees: the names it stands for, and what builds its state.
+_Params = dict[int, tuple[list[str], Any]]
+
+
+def _fsdp1_params(model: Module) -> _Params | None:
+    params: _Params = {}
+    for unit in fsdp1_state._units(model):
+        if unit.orig_params:
+            for param, orig in zip(unit.params, unit.orig_params, strict=True):
+                params[id(orig)] = ([param.fqn], ("orig", param))
+        else:
+            params[id(unit.flat_param)] = ([p.fqn for p in unit.params], ("flat", unit))
+    return params
+
+
+def _fsdp2_params(model: Module) -> _Params | None:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.engine.fsdp2_state import _named_parameters
+
+    params: _Params = {}
+    for name, param in _named_parameters(model):
+        if not isinstance(param, DTensor):
+            return None
+        params[id(param)] = ([name], ("dtensor", param))
+    return params
+
+
+def _optimizer_pieces(
+    optimizer: Optimizer, params: _Params, saved: Mapping[str, Any], key: str, pieces: Pieces
+) -> _Optimizer | None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    one = _Optimizer()
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in params:
+                return None  # a parameter FSDP does not manage: torch's path
+            names, (kind, owner) = params[id(p)]
+            prefixes = [f"{key}.state.{name}" for name in names]
+            entries = [saved.get(prefix, {}) for prefix in prefixes]
+            if any(not isinstance(md, TensorStorageMetadata) for e in entries for md in e.values()):
+                return None  # non-tensor state (a Python number): torch's path unpickles it
+            if kind == "flat":
+                if not _flat_state(one, index, owner, prefixes, entries, pieces):
+                    return None
+            elif entries[0]:
+                state = _param_state(kind, owner, prefixes[0], entries[0], pieces)
+                if state is None:
+                    return None
+                if state:
+                    one.state[index] = state
+            index += 1
+    return one
+
+
+def _param_state(
+    kind: str, owner: Any, prefix: str, entries: Mapping[str, Any], pieces: Pieces
+) -> dict[str, torch.Tensor] | None:
+    """The state of one original parameter (FSDP1 with ``use_orig_params``, FSDP2), its pieces added to ``pieces``:
+    a tensor of the parameter's full shape is this rank's piece of it, a 0-dim tensor (``step``) is read whole."""
+    import torch.distributed as dist
+
+    state: dict[str, torch.Tensor] = {}
+    if kind == "orig" and owner.numel_in_shard == 0:
+        return {}  # no element here: FSDP leaves such a parameter without state on this rank, as torch's path does
+    shape = owner.shape if kind == "orig" else tuple(owner.shape)
+    for leaf, md in entries.items():
+        dtype, where = md.properties.dtype, f"{prefix}.{leaf}"
+        if tuple(md.size) == ():
+            state[leaf] = torch.empty((), dtype=dtype)
+            pieces[where] = [((), state[leaf])]
+        elif tuple(md.size) != tuple(shape):
+            return None
+        elif kind == "orig":
+            state[leaf] = torch.empty(owner.numel_in_shard, dtype=dtype)
+            pieces[where] = _fsdp1_pieces(owner, state[leaf], dist.get_rank())
+        else:
+            state[leaf] = _dtensor_like(owner, dtype)
+            pieces[where] = _pieces_of(state[leaf])
+    return state
+
+
+def _fsdp1_pieces(param: Any, flat_slice: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    return [(tuple(box.offsets), view) for box, view in fsdp1_state.local_pieces(param, flat_slice, rank)]
+
+
+def _dtensor_like(param: Any, dtype: torch.dtype) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    local = torch.empty(param.to_local().shape, dtype=dtype, device=param.device)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _flat_state(
+    one: _Optimizer, index: int, unit: Any, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: Pieces
+) -> bool:
+    """FSDP1 without ``use_orig_params``: the optimizer sees the flat parameter, whose state tensors are this rank's
+    whole (padded) flat shard; each original parameter's pieces are views of its elements there. Padding stays zero,
+    as it is in training (its gradient is zero). A 0-dim entry (``step``) is the same for every parameter of the
+    unit: the first one's is read."""
+    import torch.distributed as dist
+
+    leaves = {leaf: md for e in entries for leaf, md in e.items()}
+    if not leaves:
+        return True
+    if any(set(e) != set(leaves) for e in entries):
+        return False
+    state: dict[str, torch.Tensor] = {}
+    rank = dist.get_rank()
+    for leaf, md in leaves.items():
+        if tuple(md.size) == ():
+            state[leaf] = torch.empty((), dtype=md.properties.dtype)
+            pieces[f"{prefixes[0]}.{leaf}"] = [((), state[leaf])]
+            continue
+        flat = torch.zeros(unit.local.numel(), dtype=md.properties.dtype)
+        for param, prefix, entry in zip(unit.params, prefixes, entries, strict=True):
+            if tuple(entry[leaf].size) != param.shape:
+                return False
+            piece = flat[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
+            pieces[f"{prefix}.{leaf}"] = [
+                (tuple(b.offsets), v) for b, v in fsdp1_state.local_pieces(param, piece, rank)
+            ]
+        state[leaf] = flat
+    one.state[index] = state
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+class _PiecePlanner:
+    """A DCP load planner over :data:`Pieces`: it reads exactly the listed boxes into their tensors, with no state
+    dict to walk (DCP's default planner visits every ``ShardedTensor`` through its ``__torch_function__``). Built
+    on :func:`torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list`, as torch's own planner
+    is."""
+
+    def __new__(cls, pieces: Pieces) -> Any:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        class PiecePlanner(LoadPlanner):
+            def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+                self.metadata = metadata
+
+            def create_local_plan(self) -> Any:
+                items = []
+                for key, wanted in pieces.items():
+                    md = self.metadata.state_dict_metadata.get(key)
+                    if md is None:
+                        raise RuntimeError(f"Missing key in checkpoint state_dict: {key}.")
+                    chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(t.shape)) for o, t in wanted]
+                    items += create_read_items_for_chunk_list(key, md, chunks)
+                return LoadPlan(items)
+
+            def create_global_plan(self, global_plan: list[Any]) -> list[Any]:
+                return global_plan
+
+            def finish_plan(self, central_plan: Any) -> Any:
+                return central_plan
+
+            def load_bytes(self, read_item: Any, value: Any) -> None:
+                raise RuntimeError(f"unexpected non-tensor entry {read_item.dest_index.fqn!r}")
+
+            def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+                target = pieces[read_item.dest_index.fqn][read_item.dest_index.index][1]
+                for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+                    if start != 0 or length != target.shape[dim]:
+                        target = target.narrow(dim, start, length)
+                return target
+
+            def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+                pass
+
+        return PiecePlanner()
+
+
+def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
+    """Read ``pieces`` from the checkpoint at ``path``: each file opened once, its entries read in file order, each
+    saved tensor decoded by :func:`.trust.tensor_from_archive` (``torch.load(..., weights_only=True)``, as DCP's own
+    reader, for any it does not decode). ``False`` (nothing read) for a checkpoint whose entries are transformed
+    (compressed, ...): DCP's reader must undo that."""
+    from lightning_gaudi_fsdp.checkpoint.trust import tensor_from_archive
+
+    planner = _PiecePlanner(pieces)
+    planner.set_up_planner({}, metadata)
+    items = planner.create_local_plan().items
+    infos = [metadata.storage_data[item.storage_index] for item in items]
+    if any(getattr(info, "transform_descriptors", None) for info in infos):
+        return False
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for item, info in zip(items, infos, strict=True):
+        by_file.setdefault(info.relative_path, []).append((info, item))
+    for relative, entries in by_file.items():
+        entries.sort(key=lambda entry: entry[0].offset)
+        with open(path / relative, "rb", buffering=0) as handle:
+            last: tuple[Any, torch.Tensor] | None = None
+            for info, item in entries:
+                if last is None or last[0] != (info.offset, info.length):
+                    data = bytearray(info.length)
+                    handle.seek(info.offset)
+                    if handle.readinto(data) != info.length:
+                        raise EOFError(f"{relative} ends before the entry at {info.offset} (+{info.length} bytes)")
+                    saved = tensor_from_archive(data)
+                    if saved is None:
+                        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    last = ((info.offset, info.length), saved)
+                source = last[1]
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(item)
+                if target.shape != source.shape:
+                    raise ValueError(
+                        f"{item.dest_index.fqn}: read {tuple(source.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+    return True
+
+
+def apply(planned: Plan, read: Any) -> None:
+    """Read everything ``planned`` lists with ``read(pieces, planner)`` (one pass over the files), then put the
+    optimizer state and hyper-parameters in place."""
+    from lightning_gaudi_fsdp.checkpoint.loading import _merge_groups
+
+    read(planned.pieces, _PiecePlanner(planned.pieces))
+    with torch.no_grad():
+        for value, target in planned.live:
+            target.copy_(value)
+    for optimizer, one, groups in planned.optimizers:
+        groups = _merge_groups(optimizer, {"param_groups": groups})
+        optimizer.load_state_dict({"state": one.state, "param_groups": groups})

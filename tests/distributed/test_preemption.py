@@ -1,0 +1,225 @@
+"""Preemption (``preemption="save"``): a real SIGTERM to one rank, every rank or the launcher, mid-epoch. Every
+process is gone within the grace period, each rank printed one line with the signal, the step and the checkpoint,
+the checkpoint (``last.ckpt`` where ``fit(ckpt_path="last")`` finds it) holds that step, and resuming from it to the
+end equals the run that never stopped, bitwise (a dataloader with ``state_dict``/``load_state_dict`` resumes
+mid-epoch). A disk too slow for the grace period: the previous ``last.ckpt`` stays, nothing partial is visible, and
+every rank leaves in time, saying so.
+
+The default run has one representative case (FSDP1, sharded, SIGTERM to rank 1 under the scenario pool, a
+torchrun-style launcher), the slow disk and the Fabric loop; ``pytest -m slow`` runs the matrix of engines, formats,
+targets and launchers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from distributed import test_resume
+from distributed.test_failure_matrix import run_job
+from lightning_gaudi_fsdp.checkpoint import convert
+
+uninterrupted = test_resume.uninterrupted  # the fixture: 8 steps without stopping, once per configuration
+_assert_same_run = test_resume._assert_same_run
+
+BLOCK = "common.Block"
+GRACE_S = 20  # the preemption_grace of these runs (the default is 25)
+SIGNAL_STEP = 1  # the SIGTERM lands during step 2 of 4 of the first epoch: the save point is mid-epoch
+EXIT_CODE = 75
+
+
+def _module() -> dict:
+    return {"n_samples": 32, "batch_size": 4, "stateful_loader": True}  # 4 steps per epoch, as test_resume's
+
+
+def _strategy(fmt: str, engine: int, grace: float = GRACE_S) -> dict:
+    return {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "preemption_grace": grace}
+
+
+def _cfg(strategy: dict, root: Path, **extra) -> dict:
+    # Lightning's default ModelCheckpoint (no logger): last.ckpt under <default_root_dir>/checkpoints
+    trainer = {"enable_checkpointing": True, "default_root_dir": str(root)}
+    return {"strategy": strategy, "module": _module(), "max_steps": 8, "trainer": trainer, **extra}
+
+
+def _signalled_at(out: Path) -> float:
+    return min(json.loads(p.read_text())["at"] for p in out.glob("signalled*.json"))
+
+
+def _saved_lines(output: str) -> dict[int, tuple[str, int, str]]:
+    """Each rank's line: rank -> (who received the signal, step, path)."""
+    found = re.findall(
+        r"lightning_gaudi_fsdp: rank (\d) of 2 preempted by SIGTERM \(received by rank (\d)\): saved step (\d+) to "
+        rf"(\S+); leaving with exit code {EXIT_CODE}",
+        output,
+    )
+    return {int(rank): (who, int(step), path) for rank, who, step, path in found}
+
+
+def _check_preempted(output: str, ckpt: Path, gone_after_s: float, signalled: str) -> int:
+    """The checks every preempted run passes; returns the step saved."""
+    lines = _saved_lines(output)
+    assert sorted(lines) == [0, 1], output[-6000:]
+    steps = {step for _, step, _ in lines.values()}
+    assert len(steps) == 1, lines  # every rank saved the same step
+    (step,) = steps
+    assert SIGNAL_STEP < step <= SIGNAL_STEP + 3, lines  # the step in flight completed, and little more
+    assert {path for _, _, path in lines.values()} == {str(ckpt)}
+    if signalled != "any":
+        assert {who for who, _, _ in lines.values()} == {signalled}
+    assert gone_after_s < GRACE_S, f"the last process left {gone_after_s:.1f} s after the signal"
+    assert convert.describe(ckpt)["global_step"] == step  # the checkpoint holds that step
+    assert not [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")]  # committed, nothing staged left
+    return step
+
+
+def _resume_equals_uninterrupted(scenario, strategy: dict, root: Path, ckpt: Path, straight: dict) -> None:
+    resumed = scenario(_cfg(strategy, root, ckpt_path="last"))
+    assert f"Restored all states from the checkpoint at {ckpt}" in resumed.proc.stderr
+    _assert_same_run(resumed.final(), straight)
+
+
+CASES = [
+    pytest.param("sharded", 1, "rank1", id="sharded-fsdp1-rank1"),
+    pytest.param("local", 1, "rank1", marks=pytest.mark.slow, id="local-fsdp1-rank1"),
+    pytest.param("sharded", 2, "rank1", marks=pytest.mark.slow, id="sharded-fsdp2-rank1"),
+    pytest.param("local", 2, "all", marks=pytest.mark.slow, id="local-fsdp2-all"),
+    pytest.param("sharded", 1, "all", marks=pytest.mark.slow, id="sharded-fsdp1-all"),
+    pytest.param("full", 1, "rank1", marks=pytest.mark.slow, id="full-fsdp1-rank1"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "engine", "to"), CASES)
+def test_sigterm_mid_epoch_saves_the_completed_step_and_resumes_exactly(
+    scenario, tmp_path, uninterrupted, fmt, engine, to
+):
+    strategy = _strategy(fmt, engine)
+    root = tmp_path / "root"
+    cfg = _cfg(strategy, root, sigterm={"step": SIGNAL_STEP, "to": to, "delay": 0.02})
+    run = scenario(cfg, expect_ok=False)
+    gone = time.monotonic()
+    assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
+    ckpt = root / "checkpoints" / "last.ckpt"
+    _check_preempted(run.proc.stderr, ckpt, gone - _signalled_at(run.out), "1" if to == "rank1" else "any")
+    straight = uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
+    _resume_equals_uninterrupted(scenario, strategy, root, ckpt, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("launcher", "engine", "to"), [("lightning", 1, "launcher"), ("torchrun", 2, "launcher"), ("slurm", 1, "all")]
+)
+def test_sigterm_to_the_launcher_process_saves_and_resumes_exactly(
+    scenario, tmp_path, uninterrupted, launcher, engine, to
+):
+    """SIGTERM to the process a user (or Kubernetes) started: Lightning's launcher is rank 0 itself; torchrun's agent
+    forwards it to its workers; SLURM signals every task. A ModelCheckpoint that keeps no last.ckpt of its own still
+    gets one."""
+    strategy = _strategy("sharded", engine)
+    root = tmp_path / "root"
+    dirpath = tmp_path / "ckpts"
+    cfg = _cfg(strategy, root, sigterm={"step": SIGNAL_STEP, "to": to, "delay": 0.02})
+    cfg["model_checkpoint"] = {"dirpath": str(dirpath), "save_last": False}
+    job = run_job(launcher, cfg, tmp_path / "job")
+    assert not job.leftovers, job.output[-6000:]
+    assert all(code != 0 for code in job.codes), job.codes
+    if launcher != "torchrun":  # Lightning's launcher (rank 0), or each srun task
+        assert set(job.codes) == {EXIT_CODE}, job.output[-6000:]
+    ckpt = dirpath / "last.ckpt"
+    signalled = "0" if launcher == "lightning" else "any"  # torchrun's agent and SLURM signal every rank
+    _check_preempted(job.output, ckpt, job.gone_at - _signalled_at(tmp_path / "job" / "out"), signalled)
+    straight = uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
+    resumed = scenario({**cfg, "sigterm": None, "ckpt_path": "last"})
+    assert f"Restored all states from the checkpoint at {ckpt}" in resumed.proc.stderr
+    _assert_same_run(resumed.final(), straight)
+
+
+def test_a_disk_too_slow_for_the_grace_period_keeps_the_previous_checkpoint_and_every_rank_leaves_in_time(
+    scenario, tmp_path
+):
+    grace = 4
+    dirpath = tmp_path / "ckpts"
+    ckpt = dirpath / "last.ckpt"
+    cfg = _cfg(
+        _strategy("sharded", 1, grace),
+        tmp_path / "root",
+        model_checkpoint={"dirpath": str(dirpath), "save_top_k": 0},  # saves nothing itself: last.ckpt is its "last"
+        save_at_step=2,  # the previous last.ckpt, at step 2
+        save_path_in_loop=str(ckpt),
+        sigterm={"step": 3, "to": "rank1", "delay": 0.02, "slow_disk": 60},  # from then on each write takes 60 s
+    )
+    run = scenario(cfg, expect_ok=False)
+    gone_after = time.monotonic() - _signalled_at(run.out)
+    assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
+    assert gone_after < grace, f"the last rank left {gone_after:.1f} s after the signal"
+    for rank in (0, 1):
+        assert re.search(
+            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): saving step \d+ to "
+            rf"{re.escape(str(ckpt))} did not finish within preemption_grace={grace} s; nothing of it is visible and "
+            rf"the previous checkpoint there is intact; leaving with exit code {EXIT_CODE}",
+            run.proc.stderr,
+        ), run.proc.stderr[-6000:]
+    assert convert.describe(ckpt)["global_step"] == 2
+    assert sorted(p.name for p in dirpath.iterdir() if not p.name.startswith(".")) == ["last.ckpt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["setup", "validation", "save", "teardown"])
+def test_sigterm_outside_a_training_step_ends_every_rank_in_time_losing_nothing(scenario, tmp_path, phase):
+    """In setup there is nothing to save: every rank leaves at once. During validation, or during a save already
+    running, the next training step is saved. After the last step, every rank leaves from teardown."""
+    root = tmp_path / "root"
+    delay = 0 if phase == "teardown" else 0.05  # after the last step, at once: fit is about to return
+    cfg = _cfg(_strategy("sharded", 1), root, sigterm={"phase": phase, "to": "rank1", "delay": delay})
+    if phase == "validation":
+        cfg["trainer"].update(limit_val_batches=4, val_check_interval=2)
+    if phase == "save":  # ModelCheckpoint saves every second step, each write taking 2 s; the signal comes during one
+        cfg.update(slow_writes=2, model_checkpoint={"dirpath": str(root / "checkpoints"), "every_n_train_steps": 2})
+        cfg["sigterm"] = {"step": 2, "to": "rank1", "delay": 0.5}
+    run = scenario(cfg, expect_ok=False)
+    gone_after = time.monotonic() - _signalled_at(run.out)
+    assert run.proc.returncode in ((EXIT_CODE, 1) if phase == "teardown" else (EXIT_CODE,)), run.proc.stderr[-6000:]
+    assert gone_after < GRACE_S
+    ckpt = root / "checkpoints" / "last.ckpt"
+    if phase in ("validation", "save"):
+        step = _check_preempted(run.proc.stderr, ckpt, gone_after, "1")
+        # validation follows step 2 (the next step is saved); the save of step 2 runs before its boundary (saved)
+        assert step >= (3 if phase == "validation" else 2)
+        return
+    said = {
+        "setup": re.escape(
+            "before its first step boundary (training not started, or a Fabric loop that does not read "
+            "strategy.preempted); nothing saved"
+        ),
+        # rank 1 leaves from its own teardown, or learns that rank 0 had already finished fit, or that rank 0 (the
+        # store's host) had left: each says so, and that nothing was saved
+        "teardown": "[^\n]*nothing saved",
+    }[phase]
+    # after the last step, rank 0 may have finished fit before the signal came: it then fails at the script's own
+    # next collective, with rank 1 gone
+    for rank in (0, 1) if phase == "setup" else (1,):
+        assert re.search(
+            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): {said}; "
+            rf"leaving with exit code {EXIT_CODE}",
+            run.proc.stderr,
+        ), run.proc.stderr[-6000:]
+    assert not ckpt.exists()  # setup: nothing trained; teardown: this run's own checkpointing saved no last.ckpt
+
+
+def test_fabric_loop_saves_when_preempted_reads_true_on_every_rank(scenario, tmp_path):
+    """Fabric: the loop reads ``fabric.strategy.preempted`` each step and saves when it is True (the same step on
+    every rank); ``fabric.save`` commits and every rank leaves."""
+    ckpt = tmp_path / "fabric-last.ckpt"
+    cfg = {
+        "strategy": _strategy("sharded", 1),
+        "epochs": 4,
+        "preempt": {"step": SIGNAL_STEP, "to": "rank1", "delay": 0.02, "path": str(ckpt)},
+    }
+    run = scenario(cfg, script="fabric_loop.py", expect_ok=False)
+    gone = time.monotonic()
+    assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
+    _check_preempted(run.proc.stderr, ckpt, gone - _signalled_at(run.out), "1")  # its global_step: that step
