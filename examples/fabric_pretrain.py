@@ -17,15 +17,17 @@ from it.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import lightning as L
 import torch
-from llama_fsdp import StrideSequences
+from llama_fsdp import StrideSequences, model_flops
 from torch.utils.data import DataLoader
 
 from lightning_gaudi_fsdp import gaudi
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
+from lightning_gaudi_fsdp.throughput import FabricMonitor, summary
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +87,8 @@ def main() -> None:
     # transformers' rotary-embedding buffers do not.
     with fabric.init_module():
         model = llama(vocab_size)
+    config = model.config
+    matmul_params = sum(p.numel() for p in model.parameters()) - vocab_size * config.hidden_size  # before sharding
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))  # warmup
@@ -99,6 +103,8 @@ def main() -> None:
     data = StrideSequences(4096, args.seq_len, vocab_size, seed=0)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True))
     losses: list[float] = []
+    monitor = FabricMonitor(fabric, window_size=5)  # tokens/s, and MFU on Gaudi 2 and Gaudi 3
+    batches, start = 0, time.perf_counter()
     epoch = 0
     while state["step"] < args.steps:
         loader.sampler.set_epoch(epoch)
@@ -112,6 +118,16 @@ def main() -> None:
             scheduler.step()
             state["step"] += 1
             losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+            gaudi.synchronize()  # the device's queued work done before the clock is read
+            batches += 1
+            flops = model_flops(tokens, matmul_params, config.num_hidden_layers, config.hidden_size)
+            monitor.update(
+                time=time.perf_counter() - start,
+                batches=batches,
+                samples=batches * tokens.shape[0],
+                lengths=batches * tokens[:, 1:].numel(),
+                flops=flops,
+            )
             if fabric.strategy.preempted:  # a SIGTERM on any rank: True on every rank at the same step
                 fabric.save(args.checkpoints / f"step-{state['step']:05d}", state)  # commits; every rank exits (75)
             if state["step"] % args.save_every == 0 or state["step"] == args.steps:
@@ -125,6 +141,9 @@ def main() -> None:
     torch.distributed.destroy_process_group()
     if losses:
         fabric.print(f"loss: first={losses[0]:.4f} last={losses[-1]:.4f} steps={state['step']}")
+    line = summary(monitor.compute(), monitor.peak, fabric.world_size) if fabric.is_global_zero else None
+    if line:
+        fabric.print(line)
 
 
 if __name__ == "__main__":

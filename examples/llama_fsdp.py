@@ -7,6 +7,9 @@ The model is ``transformers``' ``LlamaForCausalLM`` built from a config (no weig
 generated: each sequence follows ``token[t + 1] = (token[t] + stride) % vocab`` with a per-sequence stride, so the
 loss falls visibly within a minute on CPU. ``trainer.accelerator: auto`` picks Gaudi when the Habana bridge sees a
 device, and CPU processes otherwise (the run says which).
+
+Throughput is logged by ``lightning_gaudi_fsdp.throughput.ThroughputMonitor`` (``train/items_per_sec`` = tokens/s,
+``train/device/mfu`` on Gaudi 2 and Gaudi 3) from the model FLOPs the module reports per batch, and printed at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gaudi_fsdp import gaudi
+from lightning_gaudi_fsdp.throughput import ThroughputMonitor, summary
 
 
 class StrideSequences(Dataset):
@@ -38,6 +42,15 @@ class StrideSequences(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tokens[i]
+
+
+def model_flops(tokens: torch.Tensor, matmul_params: int, layers: int, hidden: int, backward: bool = True) -> int:
+    """Model FLOPs of one batch of ``tokens`` (inputs and the shifted targets: ``seq + 1`` columns), PaLM's accounting
+    with activation recomputation not counted: per token ``6 * N`` (forward and backward matmuls, ``N`` every parameter
+    but the input embedding) + ``12 * layers * hidden * seq`` (attention); a third of it without backward."""
+    batch, seq = tokens.shape[0], tokens.shape[1] - 1
+    per_token = 6 * matmul_params + 12 * layers * hidden * seq
+    return batch * seq * per_token // (1 if backward else 3)
 
 
 class StrideDataModule(L.LightningDataModule):
@@ -77,6 +90,8 @@ class LlamaLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
+        self.flops_per_batch = 0  # read by ThroughputMonitor after each batch (model FLOPs of this rank's batch)
+        self._matmul_params = 0
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -95,8 +110,14 @@ class LlamaLM(L.LightningModule):
             tie_word_embeddings=False,
         )
         self.model = LlamaForCausalLM(config)
+        # every parameter but the input embedding (a lookup, not a matmul), counted before FSDP shards them
+        self._matmul_params = sum(p.numel() for p in self.model.parameters()) - h.vocab_size * h.hidden_size
 
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.hparams
+        self.flops_per_batch = model_flops(
+            tokens, self._matmul_params, h.num_hidden_layers, h.hidden_size, self.training
+        )
         logits = self.model(input_ids=tokens[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
@@ -145,6 +166,7 @@ class LossSummary(Callback):
             return
         first, last = self.losses[0], self.losses[-1]
         print(f"loss: first={first:.4f} last={last:.4f} steps={trainer.global_step}", flush=True)
+        self._print_throughput(trainer)
         log_dir = getattr(trainer.logger, "log_dir", None)  # not trainer.log_dir: it broadcasts, rank 0 alone here
         if log_dir is not None:
             print(f"metrics (CSV): {log_dir}/metrics.csv", flush=True)
@@ -155,6 +177,14 @@ class LossSummary(Callback):
             print(f"checkpoint ({trainer.strategy._state_dict_type}, committed before the run exits): {path}")
             print(f"  lightning-gaudi-fsdp inspect {path}")
             print(f"  lightning-gaudi-fsdp convert {path} model.ckpt --to full", flush=True)
+
+    @staticmethod
+    def _print_throughput(trainer: L.Trainer) -> None:
+        monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+        # what ThroughputMonitor logged last (rank 0)
+        line = summary(trainer.logged_metrics, getattr(monitor, "peak", None), trainer.world_size, prefix="train/")
+        if line:
+            print(line, flush=True)
 
     def _plot(self, path: str) -> None:
         try:
@@ -192,7 +222,13 @@ def main(args: list[str] | None = None) -> None:
     GaudiCLI(
         LlamaLM,
         StrideDataModule,
-        trainer_defaults={"callbacks": [LossSummary()]},
+        trainer_defaults={
+            "callbacks": [
+                LossSummary(),
+                # tokens/s and, on Gaudi, MFU: every batch holds batch_size sequences of seq_len predicted tokens
+                ThroughputMonitor(batch_size_fn=len, length_fn=lambda tokens: tokens[:, 1:].numel(), window_size=10),
+            ]
+        },
         args=args,
         save_config_kwargs={"overwrite": True},
     )

@@ -19,5 +19,5 @@ else
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -c "import torch" >/dev/null 2>&1 || "$VENV/bin/pip" install -q "$TORCH_SPEC"
 fi
-"$VENV/bin/pip" install -q "$LIGHTNING_SPEC" ${TRANSFORMERS_SPEC:+"$TRANSFORMERS_SPEC"} -e ".[test,examples,benchmarks]"
+"$VENV/bin/pip" install -q "$LIGHTNING_SPEC" ${TRANSFORMERS_SPEC:+"$TRANSFORMERS_SPEC"} -e ".[test,examples,benchmarks,docs]"
 "$VENV/bin/python" -c "import torch, lightning, lightning_gaudi_fsdp; print('torch', torch.__version__, '| lightning', lightning.__version__, '| lightning-gaudi-fsdp', lightning_gaudi_fsdp.__version__)"

@@ -107,11 +107,18 @@ def test_llama_rehearsal_trains_from_its_printed_config_and_loss_falls(tmp_path,
     _assert_epochs_shown(proc.stdout, last=0)  # the 40 steps take part of the config's one epoch
     first, last = map(float, match.groups())
     assert last < 0.6 * first
+    # throughput: tokens/s measured; MFU not available on CPU, with the reason (on Gaudi it is logged: test_throughput)
+    assert re.search(
+        r"throughput: \d+ tokens/s on 2 device\(s\); MFU not available: no published peak FLOPs for 'cpu' devices",
+        proc.stdout,
+    ), proc.stdout[-2000:]
     # what the run leaves: metrics, a loss curve and a sharded checkpoint written in the background, committed
     from lightning_gaudi_fsdp.checkpoint.convert import describe
 
     run_dir = tmp_path / "runs" / "llama" / "logs" / "version_0"
-    assert (run_dir / "metrics.csv").read_text().startswith(("epoch", "lr", "step", "train_loss", "val_loss"))
+    metrics_csv = (run_dir / "metrics.csv").read_text()
+    assert metrics_csv.startswith(("epoch", "lr", "step", "train_loss", "val_loss", "train/"))
+    assert "train/items_per_sec" in metrics_csv.splitlines()[0]  # tokens/s, logged by ThroughputMonitor
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     info = describe(last_ckpt)
@@ -172,6 +179,11 @@ def test_fabric_pretrain_saves_sharded_checkpoints_and_resumes(tmp_path):
     first = _run([script, "--steps", "20", "--save-every", "10", "--async-save"], tmp_path)  # committed by teardown
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training on CPU processes (no Gaudi found)" in first.stdout
+    # Fabric's throughput monitor: tokens/s, and on CPU the reason there is no MFU
+    assert re.search(
+        r"throughput: \d+ tokens/s on 2 device\(s\); MFU not available: no published peak FLOPs for 'cpu' devices",
+        first.stdout,
+    ), first.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00010", "step-00020"]
     assert (tmp_path / "checkpoints" / "step-00020" / "meta.pt").is_file()  # the sharded layout
     resumed = _run([script, "--steps", "30", "--save-every", "10", "--resume"], tmp_path)

@@ -76,6 +76,19 @@ def device_count() -> int:
         return 0
 
 
+def device_generation() -> str | None:
+    """The Gaudi generation of this process's device as the bridge names it, lower-cased: ``"gaudi2"``, ``"gaudi3"``
+    (``torch.hpu.get_device_name()`` answers ``"GAUDI2"``, ``"GAUDI3"``); ``None`` without a visible device."""
+    hpu = _hpu_module()
+    try:
+        if hpu is None or not hpu.is_available():
+            return None
+        name = str(hpu.get_device_name())
+    except Exception:  # an old bridge without get_device_name, or a device that does not answer
+        return None
+    return name.strip().lower().replace(" ", "") or None
+
+
 def bridge_version() -> str | None:
     if not bridge_installed():
         return None
@@ -136,6 +149,14 @@ def current_device() -> torch.device:
     hpu = _hpu_module()
     index = int(hpu.current_device()) if hpu is not None else 0
     return torch.device("hpu", index)
+
+
+def synchronize() -> None:
+    """Wait for the work queued on this process's Gaudi device (a timer read after it measures finished work); a no-op
+    without the bridge."""
+    hpu = _hpu_module()
+    if hpu is not None:
+        hpu.synchronize()
 
 
 def host_staging_allocator(device_type: str) -> Callable[[torch.Size, torch.dtype], torch.Tensor] | None:

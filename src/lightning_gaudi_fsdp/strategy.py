@@ -86,7 +86,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         timeout: collective timeout, a ``timedelta`` or seconds.
         fsdp_version: ``1`` (default) shards with torch's ``FullyShardedDataParallel`` (flat parameters);
             ``2`` with ``fully_shard`` (one DTensor per parameter). The same arguments apply to both; a value that
-            has no FSDP2 meaning is refused here with what FSDP2 does instead (README: "The FSDP2 engine").
+            has no FSDP2 meaning is refused here with what FSDP2 does instead (docs/arguments.md, "The FSDP2 engine").
         check_free_space: before each save, compare the bytes every rank is about to write with the free space of
             its file system and refuse the save before anything is written when it is short. ``None`` (default)
             reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
@@ -125,15 +125,14 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             it fails that save. At most one save is in flight: the next one waits for it. An older checkpoint that
             ``ModelCheckpoint`` rotates out is removed only after the newer one committed. A background save that
             fails raises ``CheckpointSaveError`` on every rank at the next save or at the end of fit. Saves outside
-            ``fit`` (or after it) stay synchronous. README: "Saving in the background".
+            ``fit`` (or after it) stay synchronous. See docs/checkpoints.md, "Saving in the background".
         pretrained_weights: start from these weights: a Hugging Face model directory (``model.safetensors``, or
             several files with ``model.safetensors.index.json``), one ``.safetensors`` file, or a checkpoint of
             this strategy (full, sharded or local; its model weights only: step 0, fresh optimizer). The model built
             in ``configure_model`` gets its parameters on the meta device, and after wrapping each rank reads only
             the slices of its own shards (every stage: fit, validate, test, predict; ``ckpt_path`` still overrides
             them). A parameter the file does not cover, or a file key that fits no parameter, fails before training
-            with the keys named; PEFT adapters are initialised as PEFT does. README: "Fine-tuning a Hugging Face
-            model".
+            with the keys named; PEFT adapters are initialised as PEFT does. See docs/fine-tuning.md.
         pretrained_prefix: prepended to every file key to name the module parameter it fills (e.g. ``"model."``
             when the LightningModule holds the Hugging Face model as ``self.model``).
     """

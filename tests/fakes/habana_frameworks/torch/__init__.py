@@ -26,6 +26,8 @@ hpu.is_available = lambda: _device_count() > 0
 hpu.device_count = _device_count
 hpu.current_device = lambda: _current["device"]
 hpu.set_device = _set_device
+hpu.get_device_name = lambda device=None: os.environ.get("FAKE_HPU_NAME", "GAUDI2")  # the real bridge: GAUDI2, GAUDI3
+hpu.synchronize = lambda device=None: record("synchronize")
 hpu.memory_stats = lambda device=None: {"fake_bytes_in_use": 0}
 torch.hpu = hpu
 record("bridge_loaded", "lazy" if _LAZY_AT_LOAD else "eager")
