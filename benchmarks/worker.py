@@ -259,11 +259,10 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
 
 
 def _full_state(trainer: Any) -> dict[str, Any]:
-    from lightning_gaudi_fsdp.checkpoint import formats
-
     model = trainer.strategy.model
-    full = formats.model_state_dict(model, "full", "cpu")
-    optim = formats.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
+    engine = trainer.strategy._engine
+    full = engine.model_state_dict(model, "full", "cpu")
+    optim = engine.optimizer_state_dict(model, _unwrap(trainer.optimizers[0]), "full", "cpu", trainer.global_rank)
     return {"state_dict": full, "optimizer_states": [optim]}
 
 
@@ -364,7 +363,6 @@ def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
     import lightning as L
     import transformers
 
-    from lightning_gaudi_fsdp import _report
     from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
     layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
@@ -385,7 +383,7 @@ def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
     row = {
         "peak_added": peak.anon,
         "peak_resident_added": peak.resident,
-        "shard_bytes": _report.held_elements(model._forward_module) * 4,
+        "shard_bytes": fabric.strategy._engine.held_elements(model._forward_module) * 4,
         "load_s": seconds,
     }
     rows: list[Any] = [None] * cfg["world_size"]

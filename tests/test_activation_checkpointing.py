@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import TINY_LLAMA
-from lightning_gaudi_fsdp import options
+from lightning_gaudi_fsdp import module_options
 from lightning_gaudi_fsdp._activation_checkpointing import apply_activation_checkpointing
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
@@ -29,7 +29,7 @@ def test_checkpointed_llama_trains_like_the_plain_model_and_evaluation_keeps_the
     plain(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
 
     model = _llama(use_cache)
-    switched = apply_activation_checkpointing(model, options.resolve_activation_checkpointing_policy([LAYER]))
+    switched = apply_activation_checkpointing(model, module_options.resolve_activation_checkpointing_policy([LAYER]))
     assert sorted(switched) == (["", "model"] if use_cache else [])
     model.train()
     loss = model(input_ids=tokens, labels=tokens).loss  # no use_cache argument: the config's default applies

@@ -17,7 +17,7 @@ from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 
 def test_same_arguments_and_defaults_as_the_trainer_strategy():
-    from lightning_gaudi_fsdp._shared import resolve
+    from lightning_gaudi_fsdp._config import resolve
 
     trainer = dict(inspect.signature(TrainerStrategy.__init__).parameters)
     for lightning_only in ("self", "accelerator", "parallel_devices", "cluster_environment"):

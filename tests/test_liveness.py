@@ -91,11 +91,11 @@ def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds
     from lightning_gaudi_fsdp import GaudiFSDPStrategy, _liveness
 
     monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", raising=False)
-    assert GaudiFSDPStrategy()._failure_timeout == 60.0
-    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    assert GaudiFSDPStrategy()._config.failure_timeout == 60.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._config.failure_timeout == 12.0
     monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "25")
-    assert GaudiFSDPStrategy()._failure_timeout == 25.0
-    assert GaudiFSDPStrategy(failure_timeout=12)._failure_timeout == 12.0
+    assert GaudiFSDPStrategy()._config.failure_timeout == 25.0
+    assert GaudiFSDPStrategy(failure_timeout=12)._config.failure_timeout == 12.0
     monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT='soon' is not supported; expected a"):
         GaudiFSDPStrategy()
@@ -107,7 +107,7 @@ def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds
     parser = ArgumentParser()
     parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
     config = parser.parse_string("strategy:\n  failure_timeout: 20\n")
-    assert GaudiFSDPStrategy(**config.strategy.as_dict())._failure_timeout == 20.0
+    assert GaudiFSDPStrategy(**config.strategy.as_dict())._config.failure_timeout == 20.0
 
 
 def test_stuck_timeout_is_off_unless_given_in_seconds_as_an_argument_or_in_yaml():
@@ -115,9 +115,9 @@ def test_stuck_timeout_is_off_unless_given_in_seconds_as_an_argument_or_in_yaml(
 
     from lightning_gaudi_fsdp import GaudiFSDPStrategy, fabric
 
-    assert GaudiFSDPStrategy()._stuck_timeout is None
-    assert GaudiFSDPStrategy(stuck_timeout=300)._stuck_timeout == 300.0
-    assert fabric.GaudiFSDPStrategy(stuck_timeout=timedelta(minutes=2))._stuck_timeout == 120.0
+    assert GaudiFSDPStrategy()._config.stuck_timeout is None
+    assert GaudiFSDPStrategy(stuck_timeout=300)._config.stuck_timeout == 300.0
+    assert fabric.GaudiFSDPStrategy(stuck_timeout=timedelta(minutes=2))._config.stuck_timeout == 120.0
     with pytest.raises(
         ValueError, match=r"^stuck_timeout='5m' is not supported; expected a positive number of seconds"
     ):
@@ -125,7 +125,7 @@ def test_stuck_timeout_is_off_unless_given_in_seconds_as_an_argument_or_in_yaml(
     parser = ArgumentParser()
     parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
     config = parser.parse_string("strategy:\n  stuck_timeout: 90\n")
-    assert GaudiFSDPStrategy(**config.strategy.as_dict())._stuck_timeout == 90.0
+    assert GaudiFSDPStrategy(**config.strategy.as_dict())._config.stuck_timeout == 90.0
 
 
 def test_a_wait_in_torch_distributed_is_timed_per_call_so_short_waits_never_add_up():

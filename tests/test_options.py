@@ -9,7 +9,7 @@ import torch
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from lightning_gaudi_fsdp import options
+from lightning_gaudi_fsdp import module_options, options
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
 
@@ -121,24 +121,24 @@ def test_cpu_offload():
 
 def test_auto_wrap_policy_from_classes_names_and_sets():
     for value in ({torch.nn.Linear}, [torch.nn.Linear], "torch.nn.Linear", ["torch.nn.Linear"], torch.nn.Linear):
-        policy = options.resolve_auto_wrap_policy(value)
+        policy = module_options.resolve_auto_wrap_policy(value)
         assert isinstance(policy, ModuleWrapPolicy)
         assert policy._module_classes == {torch.nn.Linear}
 
 
 def test_auto_wrap_policy_int_is_size_based():
-    policy = options.resolve_auto_wrap_policy(1000)
+    policy = module_options.resolve_auto_wrap_policy(1000)
     assert isinstance(policy, functools.partial)
     assert policy.keywords == {"min_num_params": 1000}
     with pytest.raises(ValueError, match="auto_wrap_policy=0 must be a positive min_num_params"):
-        options.resolve_auto_wrap_policy(0)
+        module_options.resolve_auto_wrap_policy(0)
 
 
 def test_auto_wrap_policy_callable_passes_through():
     def policy(module, recurse, nonwrapped_numel):
         return False
 
-    assert options.resolve_auto_wrap_policy(policy) is policy
+    assert module_options.resolve_auto_wrap_policy(policy) is policy
 
 
 def test_auto_wrap_policy_errors():
@@ -147,26 +147,26 @@ def test_auto_wrap_policy_errors():
         match=r"auto_wrap_policy: module 'torch.nn' has no attribute 'Linearr'; did you "
         r"mean 'torch.nn.Linear'",
     ):
-        options.resolve_auto_wrap_policy(["torch.nn.Linearr"])
+        module_options.resolve_auto_wrap_policy(["torch.nn.Linearr"])
     with pytest.raises(ValueError, match="auto_wrap_policy: cannot import module 'no_such_pkg'"):
-        options.resolve_auto_wrap_policy("no_such_pkg.Layer")
+        module_options.resolve_auto_wrap_policy("no_such_pkg.Layer")
     with pytest.raises(TypeError, match="auto_wrap_policy: 'torch.Tensor' is not a torch.nn.Module subclass"):
-        options.resolve_auto_wrap_policy(["torch.Tensor"])
+        module_options.resolve_auto_wrap_policy(["torch.Tensor"])
     with pytest.raises(TypeError, match="auto_wrap_policy must not be a bool"):
-        options.resolve_auto_wrap_policy(True)
+        module_options.resolve_auto_wrap_policy(True)
     with pytest.raises(ValueError, match="auto_wrap_policy is empty"):
-        options.resolve_auto_wrap_policy([])
+        module_options.resolve_auto_wrap_policy([])
 
 
 def test_activation_checkpointing_policy():
-    kwargs = options.resolve_activation_checkpointing_policy(["torch.nn.Linear"])
+    kwargs = module_options.resolve_activation_checkpointing_policy(["torch.nn.Linear"])
     check = kwargs["check_fn"]
     assert check(torch.nn.Linear(2, 2))
     assert not check(torch.nn.ReLU())
-    assert options.resolve_activation_checkpointing_policy(None) == {}
+    assert module_options.resolve_activation_checkpointing_policy(None) == {}
     policy = ModuleWrapPolicy({torch.nn.Linear})
-    assert options.resolve_activation_checkpointing_policy(policy) == {"auto_wrap_policy": policy}
-    assert options.resolve_activation_checkpointing_policy(callable) == {"check_fn": callable}
+    assert module_options.resolve_activation_checkpointing_policy(policy) == {"auto_wrap_policy": policy}
+    assert module_options.resolve_activation_checkpointing_policy(callable) == {"check_fn": callable}
 
 
 def test_state_dict_type():
@@ -209,10 +209,10 @@ def test_submodule_names_resolve_with_close_matches():
     model = torch.nn.Sequential()
     model.add_module("encoder", torch.nn.Linear(2, 2))
     model.add_module("head", torch.nn.Linear(2, 1))
-    assert options.resolve_submodules(model, ["head"], "ignored_modules") == [model.head]
-    assert options.resolve_submodules(model, ["head.bias"], "ignored_states", True) == [model.head.bias]
+    assert module_options.resolve_submodules(model, ["head"], "ignored_modules") == [model.head]
+    assert module_options.resolve_submodules(model, ["head.bias"], "ignored_states", True) == [model.head.bias]
     with pytest.raises(ValueError, match=r"ignored_modules: 'haed' is not a module of Sequential; closest: 'head'"):
-        options.resolve_submodules(model, ["haed"], "ignored_modules")
+        module_options.resolve_submodules(model, ["haed"], "ignored_modules")
 
 
 def test_compile():

@@ -22,7 +22,7 @@ def test_defaults_are_resolved_without_touching_devices():
     assert strategy.kwargs["use_orig_params"] is True
     assert strategy.kwargs["limit_all_gathers"] is True
     assert strategy._state_dict_type == "full"
-    assert strategy._check_free_space is None  # the environment decides, at each save
+    assert strategy._config.check_free_space is None  # the environment decides, at each save
     assert strategy.parallel_devices is None  # nothing probed at construction
 
 
@@ -106,14 +106,14 @@ def test_preemption_saves_by_default_with_a_25_s_grace_on_both_doors_and_from_ya
     from lightning_gaudi_fsdp import fabric
 
     strategy = GaudiFSDPStrategy()
-    assert (strategy._preemption, strategy._preemption_grace) == ("save", 25.0)
+    assert (strategy._config.preemption, strategy._config.preemption_grace) == ("save", 25.0)
     strategy = fabric.GaudiFSDPStrategy(preemption="EXIT", preemption_grace=timedelta(seconds=50))
-    assert (strategy._preemption, strategy._preemption_grace) == ("exit", 50.0)
+    assert (strategy._config.preemption, strategy._config.preemption_grace) == ("exit", 50.0)
     parser = ArgumentParser()  # LightningCLI's parser
     parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
     config = parser.parse_string("strategy:\n  preemption: exit\n  preemption_grace: 12\n")
     strategy = GaudiFSDPStrategy(**config.strategy.as_dict())
-    assert (strategy._preemption, strategy._preemption_grace) == ("exit", 12.0)
+    assert (strategy._config.preemption, strategy._config.preemption_grace) == ("exit", 12.0)
 
 
 @pytest.mark.parametrize(
@@ -163,11 +163,11 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     strategy = GaudiFSDPStrategy(
         fsdp_version="2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32", "output_dtype": "fp32"}
     )
-    assert strategy._fsdp_version == 2
-    assert strategy._mp_policy == MixedPrecisionPolicy(
+    assert strategy._config.fsdp_version == 2
+    assert strategy._config.mp_policy == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=True
     )
-    assert strategy._keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
+    assert strategy._config.keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
     assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
 
 
@@ -276,17 +276,17 @@ def test_trainer_weights_only_is_read_from_the_running_trainer_call():
     reads it from ``Trainer._run``'s frame. This pins the shape that relies on."""
     import inspect
 
-    from lightning_gaudi_fsdp.strategy import _fit_weights_only
+    from lightning_gaudi_fsdp.adapters.lightning_internals import fit_weights_only
 
     trainer = object()
 
     def _run(self: object, weights_only: bool | None) -> bool | None:  # the shape of Trainer._run
-        return _fit_weights_only(trainer)
+        return fit_weights_only(trainer)
 
     assert _run(trainer, False) is False
     assert _run(trainer, None) is None
     assert _run(object(), False) is None  # another Trainer's call
-    assert _fit_weights_only(trainer) is None
+    assert fit_weights_only(trainer) is None
     if "weights_only" in inspect.signature(L.Trainer.fit).parameters:
         assert "weights_only" in inspect.signature(L.Trainer._run).parameters
 

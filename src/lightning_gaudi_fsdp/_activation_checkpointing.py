@@ -17,6 +17,9 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
+
 log = logging.getLogger("lightning_gaudi_fsdp")
 
 
@@ -26,30 +29,19 @@ def apply_activation_checkpointing(model: Module, kwargs: Mapping[str, Any]) -> 
     Returns the names of the ``transformers`` models whose KV cache is now off in training (empty if none)."""
     if not kwargs:
         return []
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as torch_apply,
-    )
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        checkpoint_wrapper,
-    )
-
-    torch_apply(model, checkpoint_wrapper_fn=checkpoint_wrapper, **kwargs)
+    torch_internals.apply_checkpoint_wrapper(model, **kwargs)
     return apply_cache_off_in_training(model)
 
 
 def apply_cache_off_in_training(model: Module) -> list[str]:
     """On every ``transformers`` model inside ``model`` that contains a checkpointed layer and has
     ``config.use_cache`` on, pass ``use_cache=False`` to its forward while it is in training mode."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
     names = []
     for name, module in model.named_modules():
-        if not _uses_kv_cache(module) or not any(isinstance(m, CheckpointWrapper) for m in module.modules()):
+        if not _uses_kv_cache(module) or not any(torch_internals.is_checkpoint_wrapper(m) for m in module.modules()):
             continue
         module.register_forward_pre_hook(_cache_off_in_training, with_kwargs=True)
-        names.append(_clean(name))
+        names.append(clean_name(name))
     if names:
         log.info(
             "transformers KV cache off in training for %s (activation checkpointing recomputes layers; "

@@ -15,11 +15,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
-from lightning_gaudi_fsdp._shared import gather_objects
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 T = TypeVar("T")
 
@@ -30,15 +31,16 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     other formats)."""
     from lightning_gaudi_fsdp.checkpoint import hf_export
 
-    checkpoint[formats.ENGINE_KEY] = door._fsdp_version
+    checkpoint[formats.ENGINE_KEY] = door._config.fsdp_version
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
-        checkpoint[hf_export.HF_KEY] = record
+        checkpoint[formats.HF_KEY] = record
     if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
         checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
     if door._state_dict_type != "local":
         return None
-    return formats.local_metadata(model, door.sharding_strategy.name, _report.versions(), optimizers)
+    layout = door._engine.local_layout(model)
+    return formats.local_metadata(layout, model, door.sharding_strategy.name, _report.versions(), optimizers)
 
 
 def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSaver | None:
@@ -77,8 +79,8 @@ def save_checkpoint(
         rank=door.global_rank,
         world_size=door.world_size,
         local_metadata=local_metadata,
-        check_free_space=door._check_free_space,
-        crc32=door._checkpoint_crc32,
+        check_free_space=door._config.check_free_space,
+        crc32=door._config.checkpoint_crc32,
     )
 
     def gather(obj: Any) -> list[Any]:
@@ -112,10 +114,9 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     their memory with ``model``'s parameters (FSDP1's flat parameters included) or ``optimizers``' state, which only
     an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
     accelerator the copy is made at once, into pinned memory at DMA speed."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
     from lightning_gaudi_fsdp.engine import fsdp1_state
 
-    named = [(_clean(name), param) for name, param in model.named_parameters()]
+    named = [(clean_name(name), param) for name, param in model.named_parameters()]
     names = {id(param): name for name, param in named}
     flat = fsdp1_state.flat_params(model)
     watch: list[tuple[str, torch.Tensor]] = list(named)
@@ -192,6 +193,7 @@ def load_agreed(
         lambda: loading.check_load(
             path,
             model,
+            engine=door._engine,
             world_size=door.world_size,
             rank=door.global_rank,
             device_type=device_type,
@@ -202,5 +204,11 @@ def load_agreed(
         ),
     )
     return loading.apply_load(
-        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
+        pending,
+        model,
+        optimizers,
+        engine=door._engine,
+        device_type=device_type,
+        strict=strict,
+        load_optimizers=load_optimizers,
     )

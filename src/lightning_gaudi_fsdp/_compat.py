@@ -87,10 +87,9 @@ def dcp_save(
     if not no_dist:
         dcp.save(state, checkpoint_id=checkpoint_id, process_group=process_group)
         return
-    # torch 2.6's public save has no no_dist switch; its private entry point, which save() itself calls, has.
-    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+    from lightning_gaudi_fsdp.adapters import torch_internals  # torch 2.6: only its private entry point has no_dist
 
-    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(os.fspath(checkpoint_id)), no_dist=True)
+    torch_internals.dcp_save_no_dist(state, os.fspath(checkpoint_id))
 
 
 def add_note(exception: BaseException, note: str) -> None:

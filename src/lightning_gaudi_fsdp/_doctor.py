@@ -37,10 +37,9 @@ def _lightning_habana() -> Check:
 
 def fsdp2_hpu_kernels() -> bool:
     """Whether this torch registers FSDP2's copy-in kernels for HPU (what ``fully_shard`` runs on Gaudi)."""
-    import torch
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
+    from lightning_gaudi_fsdp.adapters import torch_internals
 
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fsdp::all_gather_copy_in", "HPU")
+    return torch_internals.has_hpu_kernel("fsdp::all_gather_copy_in")
 
 
 def _fsdp2_engine(on_hpu: bool) -> Check:

@@ -37,6 +37,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import _liveness
+from lightning_gaudi_fsdp.adapters import lightning_internals
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +350,7 @@ def arm(door: Any) -> None:
     """Once the process group exists (both doors' ``setup_environment``): watch for SIGTERM when
     ``preemption="save"``. Needs the rendezvous store with several ranks; without one (the heartbeat switched off)
     a signalled rank leaves at once, as Lightning's own handling would."""
-    if door._preemption != "save" or door._preempt is not None:
+    if door._config.preemption != "save" or door._preempt is not None:
         return
     store = None
     if door.world_size > 1:
@@ -360,7 +361,7 @@ def arm(door: Any) -> None:
             )
             return
         store = _liveness._connect(timeout_s=30)
-    watcher = Preemption(door._preemption_grace, lambda: (door.global_rank, door.world_size))
+    watcher = Preemption(door._config.preemption_grace, lambda: (door.global_rank, door.world_size))
     watcher.start(store)
     door._preempt = watcher
 
@@ -425,7 +426,7 @@ class _SaveAtPreemption(Callback):
         self.watcher = watcher
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if lightning_internals.accumulating(trainer):
             return  # mid-accumulation: the gradients accumulated so far would not be in the checkpoint
         watcher = self.watcher
         if not watcher.boundary(trainer.global_step):

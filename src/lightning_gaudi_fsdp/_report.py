@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Module
 
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
+
 if TYPE_CHECKING:
     from typing import Any
 
@@ -40,26 +42,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def fsdp_unit_count(model: Module) -> int:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return len(fsdp2.unit_names(model))
-    return sum(isinstance(m, FSDP) for m in model.modules())
-
-
-def held_elements(model: Module) -> int:
-    """Elements of the flat parameters (FSDP1) or parameter shards (FSDP2) this rank holds (its shards, or whole
-    parameters where unsharded)."""
-    from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return fsdp2.held_elements(model)
-    return sum(p.numel() for p in fsdp1_state.flat_params(model))
-
-
 def _held_row(held_per_rank: list[int]) -> str:
     low, high = min(held_per_rank), max(held_per_rank)
     if low == high:
@@ -70,20 +52,13 @@ def _held_row(held_per_rank: list[int]) -> str:
 def configuration_table(strategy: Any, model: Module, held_per_rank: list[int], precision: tuple[str, str]) -> str:
     """The table rank 0 prints when a door sets the model up (the Trainer at fit start, Fabric in ``setup_module``).
     ``strategy``: either door; ``precision``: the row naming the door's precision setting."""
-    fsdp2 = strategy._fsdp_version == 2
-    mp = strategy._mp_policy if fsdp2 else strategy.mixed_precision_config
-    if mp is None:
-        dtypes = "fp32 (no FSDP mixed precision)"
-    elif fsdp2:
-        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, output={mp.output_dtype}"
-    else:
-        dtypes = f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
+    engine = strategy._engine
     rows = [
-        ("engine", "FSDP2 (fully_shard)" if fsdp2 else "FSDP1 (FullyShardedDataParallel)"),
+        ("engine", engine.label),
         ("sharding", strategy.sharding_strategy.name),
-        ("FSDP units", str(fsdp_unit_count(model))),
-        ("parameter shards per rank" if fsdp2 else "flat parameters per rank", _held_row(held_per_rank)),
-        ("mixed precision", dtypes),
+        ("FSDP units", str(engine.unit_count(model))),
+        (engine.held_label, _held_row(held_per_rank)),
+        ("mixed precision", engine.mixed_precision_row(strategy)),
         precision,
         ("state_dict_type", strategy._state_dict_type + (", saved in the background" if strategy._background else "")),
         ("backend", str(strategy.process_group_backend)),
@@ -102,21 +77,9 @@ def compiled_units(names: list[str]) -> None:
     log.info("torch.compile applied to %d module(s): %s", len(names), ", ".join(n or "<root>" for n in names))
 
 
-def fingerprint(model: Module, sharding: str) -> dict[str, object]:
+def fingerprint(engine: Any, model: Module, sharding: str) -> dict[str, object]:
     """What every rank must agree on: sharding, the FSDP units and the unsharded size of each unit."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    if fsdp2.is_fsdp2(model):
-        return {"sharding_strategy": sharding, "units": fsdp2.unit_names(model)}
-    units = {
-        _clean(name): (m._handle.flat_param._unpadded_unsharded_size.numel() if m._handle is not None else 0)
-        for name, m in model.named_modules()
-        if isinstance(m, FSDP)
-    }
-    return {"sharding_strategy": sharding, "units": units}
+    return {"sharding_strategy": sharding, "units": engine.fingerprint(model)}
 
 
 def disagreement(fingerprints: list[dict[str, object]]) -> str | None:
@@ -142,3 +105,25 @@ def describe_difference(a: dict[str, object], b: dict[str, object]) -> str:
         return f"{len(units_a)} FSDP units {sorted(units_a)[:4]} vs {len(units_b)} units {sorted(units_b)[:4]}"
     unit = next(k for k in units_a if units_a[k] != units_b[k])
     return f"unit {unit or '<root>'!r} holds {units_a[unit]} vs {units_b[unit]} parameters"
+
+
+def check_ranks_agree(door: Any, model: Module) -> list[int]:
+    """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
+    fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
+    flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
+    own = fingerprint(door._engine, model, door.sharding_strategy.name)
+    gathered_pairs = gather_objects((own, door._engine.held_elements(model)), door.world_size)
+    message = disagreement([pair[0] for pair in gathered_pairs])
+    if message is not None:
+        raise ValueError(message)
+    return [pair[1] for pair in gathered_pairs]
+
+
+def announce(door: Any, model: Module, precision: tuple[str, str], show: bool = True) -> None:
+    """Once the model is set up: every rank checks that all ranks wrapped it alike (:func:`check_ranks_agree`), then
+    rank 0 prints the configuration table (when ``show``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    held_per_rank = check_ranks_agree(door, model)
+    if show and door.global_rank == 0:
+        rank_zero_info(configuration_table(door, model, held_per_rank, precision))

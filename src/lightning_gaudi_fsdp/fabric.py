@@ -1,9 +1,9 @@
 """``GaudiFSDPStrategy`` for Lightning Fabric: the same FSDP on Intel Gaudi (or CPU processes over gloo) as the
 Trainer's strategy, with the same arguments, engines and checkpoints.
 
-The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are two thin doors onto :mod:`._shared`
-(argument resolution, Gaudi runtime, wrapping with either engine, checked loading), :mod:`.precision` and
-:mod:`.checkpoint`; here are only Fabric's hooks.
+The Trainer's strategy (:mod:`lightning_gaudi_fsdp.strategy`) and this one are two thin doors onto :mod:`._config`
+(argument resolution), :mod:`._platform` (Gaudi runtime), :mod:`._sharding` (wrapping with either engine),
+:mod:`._checkpoints` (checked loading), :mod:`.precision` and :mod:`.checkpoint`; here are only Fabric's hooks.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import atexit
 import functools
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,25 +22,26 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _preemption, _shared, precision
-from lightning_gaudi_fsdp.checkpoint import formats, loading, views
-from lightning_gaudi_fsdp.engine import fsdp2
+from lightning_gaudi_fsdp import _checkpoints, _config, _platform, _preemption, _report, _sharding, precision
+from lightning_gaudi_fsdp.adapters import lightning_internals
+from lightning_gaudi_fsdp.adapters.lightning_internals import BackwardSyncControl, Stateful
+from lightning_gaudi_fsdp.checkpoint import loading, views
+from lightning_gaudi_fsdp.engine import pieces
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
-    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
 
 FABRIC_KEYS = views.FABRIC_KEYS  # which entries of Fabric's `state` went where in the checkpoint
 
 
-class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
+class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel on Intel Gaudi for Lightning Fabric, rehearsable on CPU processes over gloo.
 
     Takes, as keyword arguments, those of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there
@@ -94,7 +95,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         async_save: bool = False,
         **arguments: Any,
     ) -> None:
-        resolved = _shared.resolve_keywords(type(self).__name__, arguments)
+        resolved = _config.resolve_keywords(type(self).__name__, arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -102,8 +103,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             precision=precision,
             **resolved.parent,
         )
-        _shared.adopt(self, resolved, self._fsdp_kwargs)
-        self._backward_sync_control = _NoSync()
+        _config.adopt(self, resolved, self._fsdp_kwargs)
+        self._backward_sync_control = _NoSync(self._engine)
         self._background = _checkpoints.background_saver(async_save, self._timeout)
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
@@ -146,10 +147,10 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         """Wait for the background save in flight (raising its failure on every rank), stop the heartbeat."""
         try:
             if self._background is not None:
-                gather = functools.partial(_shared.gather_objects, world_size=self.world_size)
+                gather = functools.partial(pieces.gather_objects, world_size=self.world_size)
                 self._background.finish(rank=self.global_rank, gather=gather)
         finally:
-            _shared.stop_heartbeat(self)
+            _platform.stop_heartbeat(self)
             _preemption.stop(self)  # a rank told of a SIGTERM leaves here
             # Lightning's Strategy.teardown, less checkpoint_io.teardown(): its Fabric FSDPStrategy raises
             # NotImplementedError from the checkpoint_io property, so the inherited teardown cannot run.
@@ -161,25 +162,22 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     # ----------------------------------------------------------------------------------------------------- modules
     @override
     def setup_module(self, module: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if self._fsdp_version == 2:
-            if not fsdp2.is_fsdp2(module):
-                _shared.shard_fsdp2(self, module)
-        elif any(isinstance(m, FSDP) for m in module.modules()):
-            module = _shared.setup_hand_wrapped(self, module, super().setup_module)  # wrapped in init_module
+        engine = self._engine
+        if engine.owns(module):  # sharded before (FSDP2) or wrapped by hand in init_module (FSDP1)
+            module = engine.adopt_wrapped(self, module, super().setup_module)
         else:
-            module = _shared.wrap_fsdp1(self, module)
-        if self._compile_kwargs is not None:
-            _shared.compile_root(self, module)
-        self.precision.attach(module)
-        _shared.announce(self, module, ("Fabric precision", str(self.precision.precision)))
+            module = engine.shard(self, module)
+        if self._config.compile_kwargs is not None:
+            _sharding.compile_root(self, module)
+        self.precision.attach(module, engine)
+        _report.announce(self, module, ("Fabric precision", str(self.precision.precision)))
         self._models.add(module)
         return module
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
-        if self._fsdp_version == 2 and optimizers:
+        if self._engine.shards_in_place and optimizers:
             # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
             # old ones and would step nothing.
             raise NotImplementedError(
@@ -190,12 +188,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        from torch.distributed.fsdp.wrap import enable_wrap
-
         stack = ExitStack()
-        if self._fsdp_version == 1:  # fully_shard has no wrap() to configure
-            stack.enter_context(enable_wrap(**_shared.wrap_context_kwargs(self)))
-        stack.enter_context(_shared.init_context(self))
+        stack.enter_context(self._engine.wrap_context(self))
+        stack.enter_context(_sharding.init_context(self))
         return stack
 
     @override
@@ -209,11 +204,11 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     ) -> torch.Tensor:
         """Clip by the norm over every shard on every rank, on either engine."""
         self.precision.unscale_gradients(optimizer)
-        return _shared.clip_grad_norm(module, max_norm, norm_type)
+        return _sharding.clip_grad_norm(self._engine, module, max_norm, norm_type)
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
+        return _platform.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().all_reduce)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -242,21 +237,21 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             )
         device_type = self.root_device.type
         path = Path(self.broadcast(str(path)))
-        model_key, model = _find_model(state)
+        model_key, model = _find_model(state, self._engine)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         keep = _filtered(filter or {})
         # Streamed (each tensor received on rank 0 as it is written) unless a filter reads the state first.
         stream = _checkpoints.full_stream(self) if filter is None else None
         others = {
-            key: keep(key, obj.state_dict() if isinstance(obj, _Stateful) else obj)
+            key: keep(key, obj.state_dict() if isinstance(obj, Stateful) else obj)
             for key, obj in state.items()
             if key != model_key and key not in optimizers
         }
         schedulers = [key for key, obj in state.items() if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
         checkpoint: dict[str, Any] = {
-            "state_dict": keep(model_key, formats.model_state_dict(model, fmt, device_type, stream)),
+            "state_dict": keep(model_key, self._engine.model_state_dict(model, fmt, device_type, stream)),
             "optimizer_states": [
-                keep(key, formats.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
+                keep(key, self._engine.optimizer_state_dict(model, opt, fmt, device_type, self.global_rank, stream))
                 for key, opt in optimizers.items()
             ],
             views.VERSION_KEY: lightning.__version__,
@@ -301,7 +296,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if isinstance(state, Module | Optimizer):
             self._load_raw(path, state, strict, safe)
             return {}
-        model_key, model = _find_model(state)
+        model_key, model = _find_model(state, self._engine)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         rest = _checkpoints.load_agreed(
             self,
@@ -320,7 +315,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         plain state-dict file, checked on every rank first; a model not set up loads the full state of any of them;
         an optimizer loads from a single file (see :func:`.loading.read_full_optimizer_state`)."""
         if isinstance(obj, Module):
-            if _is_sharded(obj):
+            if self._engine.owns(obj):
                 _checkpoints.load_agreed(
                     self, path, obj, [], strict=strict, weights_only=weights_only, load_optimizers=False, raw=True
                 )
@@ -333,15 +328,9 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         held = {id(p) for group in obj.param_groups for p in group["params"]}
         owner = next((m for m in self._models if held <= {id(p) for p in m.parameters()}), None)
         if owner is not None:  # an optimizer of a sharded model: the full state is sharded as it loads
-            loading.load_full_optimizer(owner, obj, state, self.root_device.type)
+            self._engine.load_full_optimizer(owner, obj, state, self.root_device.type)
         else:
             obj.load_state_dict(state)
-
-
-def _is_sharded(module: Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return fsdp2.is_fsdp2(module) or any(isinstance(m, FSDP) for m in module.modules())
 
 
 def _check_filter(filter: Any, state: dict[str, Any], fmt: str) -> None:
@@ -376,8 +365,8 @@ def _filtered(filter: dict[str, Callable[[str, Any], bool]]) -> Callable[[str, A
     return keep
 
 
-def _find_model(state: dict[str, Any]) -> tuple[str, Module]:
-    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and _is_sharded(obj)]
+def _find_model(state: dict[str, Any], engine: Any) -> tuple[str, Module]:
+    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and engine.owns(obj)]
     if len(found) != 1:
         raise ValueError(
             f"the state must hold exactly one model set up by Fabric (found {len(found)}); save and load each model "
@@ -405,41 +394,25 @@ def _restore_entries(
                 rest[key] = next(saved_schedulers, None)
                 if rest[key] is None:
                     del rest[key]
-    _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+    lightning_internals.validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
     for key in requested:
         if key not in rest:
             continue
         obj = state[key]
-        if isinstance(obj, _Stateful):
+        if isinstance(obj, Stateful):
             obj.load_state_dict(rest.pop(key))
         else:
             state[key] = rest.pop(key)
     return rest
 
 
-class _NoSync(_BackwardSyncControl):
+class _NoSync(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradients stay local to each rank until the next synchronised backward,
     on either engine."""
 
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        if not enabled:
-            return nullcontext()
-        if fsdp2.is_fsdp2(module):
-            return _fsdp2_no_sync(module)
-        if not isinstance(module, FSDP):
-            raise TypeError(
-                f"no_backward_sync needs the model set up by Fabric with GaudiFSDPStrategy, got {type(module).__name__}"
-            )
-        return module.no_sync()
-
-
-@contextmanager
-def _fsdp2_no_sync(module: Module) -> Generator[None, None, None]:
-    module.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return self._engine.no_sync(module) if enabled else nullcontext()

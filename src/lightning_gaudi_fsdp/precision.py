@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _shared
+from lightning_gaudi_fsdp import _sharding
 
 _LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -45,6 +45,7 @@ class _OnDevice:
         self._default_scaler = scaler is None
         self.device_type = device_type
         self._fsdp_root: Module | None = None
+        self._engine: Any = None
         self.set_device_type(device_type)
 
     def set_device_type(self, device_type: str) -> None:
@@ -54,8 +55,9 @@ class _OnDevice:
 
             self.scaler = ShardedGradScaler(device=device_type)
 
-    def attach(self, fsdp_root: Module) -> None:
+    def attach(self, fsdp_root: Module, engine: Any) -> None:
         self._fsdp_root = fsdp_root
+        self._engine = engine
 
     def forward_context(self) -> AbstractContextManager:
         dtype = _LOW_PRECISION.get(self.precision)
@@ -69,7 +71,7 @@ class GaudiFSDPPrecision(_OnDevice, FSDPPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # type: ignore[override]
-        _shared.clip_grad_norm(self._fsdp_root, clip_val)
+        _sharding.clip_grad_norm(self._engine, self._fsdp_root, clip_val)
 
 
 class GaudiFabricFSDPPrecision(_OnDevice, FabricFSDPPrecision):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,20 +25,22 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _liveness, _preemption, _shared, precision
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _preemption, _report, _sharding, precision
+from lightning_gaudi_fsdp.adapters import lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+from lightning_gaudi_fsdp.engine import fsdp1, pieces
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
 
 _WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
 _CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
 
 
-class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
+class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel (torch FSDP1) on Intel Gaudi, in eager mode over HCCL.
 
     With ``Trainer(accelerator="cpu")`` the same strategy runs real FSDP in CPU processes over gloo, so a
@@ -178,7 +178,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         preemption_grace: float = 25.0,
         async_save: bool = False,
     ) -> None:
-        resolved = _shared.resolve_from(locals())
+        resolved = _config.resolve_from(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,7 +187,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             precision_plugin=precision_plugin,
             **resolved.parent,
         )
-        _shared.adopt(self, resolved, self.kwargs)
+        _config.adopt(self, resolved, self.kwargs)
         self._background = _checkpoints.background_saver(async_save, self._timeout)
         self._pending_stream: FullStream | None = None  # the full checkpoint being built, streamed (see below)
         self._fsdp_root: Module | None = None
@@ -200,7 +200,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         try:
             self._finish_background_saves()
         finally:
-            _shared.stop_heartbeat(self)
+            _platform.stop_heartbeat(self)
             _preemption.stop(self)  # a rank told of a SIGTERM leaves here
             super().teardown()
 
@@ -214,7 +214,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """On ``hccl`` a mean (``self.log(sync_dist=True)``, ``strategy.reduce``) is a sum divided by the group's
         size: HCCL has no AVG."""
-        return _shared.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().reduce)
+        return _platform.reduce_on_hccl(tensor, group, reduce_op, self.process_group_backend, super().reduce)
 
     # ---------------------------------------------------------------------------------------------------- precision
     @property
@@ -233,39 +233,37 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     # -------------------------------------------------------------------------------------------------- wrapping
     def _fsdp_device(self) -> torch.device:
-        return _shared.fsdp_device(self)
+        return _sharding.fsdp_device(self)
 
     @override
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if self._fsdp_version == 2:
-            return self._setup_fsdp2(model)
+        if self._engine.shards_in_place:
+            return self._setup_in_place(model)
         previous = self._fsdp_root
         if previous is not None and previous.module is model:
             # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
             # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
             model = previous
-        elif any(isinstance(m, FSDP) for m in model.modules()):
-            model = _shared.setup_hand_wrapped(self, model, super()._setup_model)
+        elif self._engine.owns(model):
+            model = self._engine.adopt_wrapped(self, model, super()._setup_model)
         else:
             self._warn_if_precision_overlaps()
-            model = _shared.wrap_fsdp1(self, model)
+            model = self._engine.shard(self, model)
         self._fsdp_root = model if isinstance(model, FSDP) else None
-        if self._compile_kwargs is not None and previous is not model:
-            _shared.compile_root(self, model)
-        self.precision_plugin.attach(model)
+        if self._config.compile_kwargs is not None and previous is not model:
+            _sharding.compile_root(self, model)
+        self.precision_plugin.attach(model, self._engine)
         return model
 
-    def _setup_fsdp2(self, model: Module) -> Module:
-        from lightning_gaudi_fsdp.engine import fsdp2
-
-        if fsdp2.is_fsdp2(model):  # validate/test/predict after fit: already sharded in place
+    def _setup_in_place(self, model: Module) -> Module:
+        if self._engine.owns(model):  # validate/test/predict after fit: already sharded in place
             return model
-        _shared.shard_fsdp2(self, model)
-        if self._compile_kwargs is not None:
-            _shared.compile_root(self, model)
-        self.precision_plugin.attach(model)
+        self._engine.shard(self, model)
+        if self._config.compile_kwargs is not None:
+            _sharding.compile_root(self, model)
+        self.precision_plugin.attach(model, self._engine)
         return model
 
     @contextmanager
@@ -274,14 +272,14 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(**_shared.wrap_context_kwargs(self)), _shared.init_context(self):
+        with enable_wrap(**fsdp1.wrap_context_kwargs(self)), _sharding.init_context(self):
             yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
-        _shared.announce(
+        _report.announce(
             self,
             self._wrapped_model(),
             ("Trainer precision", str(self.precision_plugin.precision)),
@@ -291,8 +289,8 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module, root = self.lightning_module, self._fsdp_root
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
         if module is None or module.automatic_optimization or root is None:
             return super().training_step(*args, **kwargs)
         # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
@@ -303,23 +301,23 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_version == 2:
-            return self._through_fsdp2_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        if self._engine.shards_in_place:
+            return self._through_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return super().predict_step(*args, **kwargs)
 
-    def _through_fsdp2_root(
+    def _through_root(
         self, method: str, context: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         # FSDP2 shards the LightningModule in place (self.model is the module): run the step inside its forward,
@@ -328,7 +326,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if module is None:
             raise RuntimeError(f"GaudiFSDPStrategy.{method}: the model is not set up")
         with context():
-            return self._forward_redirection(module, module, method, *args, **kwargs)
+            return lightning_internals.redirect_forward(self, module, method, *args, **kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -359,7 +357,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
             # asynchronous save's copies are waited for after it, so they overlap the forward and backward.
             closure = functools.partial(_then_wait_for_copies, closure, self)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._compile_kwargs is not None:
+        if self._config.compile_kwargs is not None:
             # FSDP keeps the sharded gradient on the flat parameter while the next forward unshards its data;
             # dynamo cannot trace a tensor whose .grad has another size. The step consumed the gradients and the
             # next backward would zero them anyway, so drop them now.
@@ -367,7 +365,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         return output
 
     def _effective_cpu_offload(self, warn: bool = True) -> CPUOffload:
-        return _shared.effective_cpu_offload(self, warn)
+        return _sharding.effective_cpu_offload(self, warn)
 
     def _warn_if_precision_overlaps(self) -> None:
         plugin_precision = self.precision_plugin.precision
@@ -392,20 +390,22 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         # The plan waits on the strategy until then; nothing is sent before the save's write step, so a plan that
         # is never written leaves no rank waiting on a send (the next checkpoint replaces it).
         stream = _checkpoints.full_stream(self)
-        if stream is not None and not (_building_checkpoint_to_save() and not _hooks_read_checkpoint(self)):
+        if stream is not None and not (
+            lightning_internals.building_checkpoint_to_save() and not _hooks_read_checkpoint(self)
+        ):
             stream = None
         self._pending_stream = stream
-        return formats.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
+        return self._engine.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         model = self._wrapped_model()
-        stream = self._pending_stream if _building_checkpoint_to_save() else None
-        return formats.optimizer_state_dict(
+        stream = self._pending_stream if lightning_internals.building_checkpoint_to_save() else None
+        return self._engine.optimizer_state_dict(
             model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank, stream
         )
 
@@ -441,19 +441,20 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         if self._background is None:
             return
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = lightning_internals.attached_trainer(module)
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         self._background.finish(rank=self.global_rank, gather=self._gather_objects, interrupted=interrupted)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Check ``checkpoint_path`` on every rank, then load it. ``weights_only`` is the one given to
-        ``Trainer.fit/validate/test/predict(..., weights_only=...)`` (Lightning >= 2.6; see :func:`_fit_weights_only`):
-        ``None`` (torch's default) and ``True`` unpickle every file safely, ``False`` without restriction, for a
-        checkpoint whose source is trusted. Lightning 2.5 has no such argument: loading is always safe there."""
+        ``Trainer.fit/validate/test/predict(..., weights_only=...)`` (Lightning >= 2.6; see
+        :func:`.lightning_internals.fit_weights_only`): ``None`` (torch's default) and ``True`` unpickle every file
+        safely, ``False`` without restriction, for a checkpoint whose source is trusted. Lightning 2.5 has no such
+        argument: loading is always safe there."""
         model = self._wrapped_model()
         if weights_only is None:
-            weights_only = _fit_weights_only(self.lightning_module.trainer)
+            weights_only = lightning_internals.fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
         return _checkpoints.load_agreed(
             self,
@@ -466,20 +467,7 @@ class GaudiFSDPStrategy(_shared.GaudiPlatform, FSDPStrategy):
         )
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        return _shared.gather_objects(obj, self.world_size)
-
-
-def _building_checkpoint_to_save() -> bool:
-    """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
-    hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    dump, save = _CheckpointConnector.dump_checkpoint.__code__, Trainer.save_checkpoint.__code__
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not dump:
-        frame = frame.f_back
-    return frame is not None and frame.f_back is not None and frame.f_back.f_code is save
+        return pieces.gather_objects(obj, self.world_size)
 
 
 def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
@@ -504,24 +492,6 @@ def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
     )
 
 
-def _fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
-    """The ``weights_only`` given to the running ``trainer.fit/validate/test/predict``, or None.
-
-    Lightning 2.6 passes it to ``Strategy.load_checkpoint`` only for strategies that restore before setup; for those
-    that restore after it (FSDP among them) ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)``
-    without it, so a user's ``weights_only=False`` would never arrive. It is read from that call's frame instead."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and trainer is not None:
-            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-                value = frame.f_locals.get("weights_only")
-                return value if isinstance(value, bool) else None
-            frame = frame.f_back
-        return None
-    finally:
-        del frame  # no reference cycle through this frame
-
-
 @contextmanager
 def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator[None, None, None]:
     """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
@@ -544,7 +514,7 @@ def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator
             inside = False
 
     def guard(unit: Module, args: Any) -> None:
-        if not inside and torch._C._current_graph_task_id() == -1:
+        if not inside and not torch_internals.in_backward():
             raise RuntimeError(
                 "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's "
                 f"forward) in training_step: the FSDP unit {type(unit.module).__name__} was called directly, "

@@ -98,7 +98,8 @@ def _resolve(device: torch.device, precision: str, strategy: Any, dtype: Compute
     if dtype is not None and dtype not in ("bf16", "fp8"):
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of 'bf16', 'fp8' or None (from precision)")
     # FSDP1's MixedPrecision (Lightning's attribute) or FSDP2's MixedPrecisionPolicy (the strategy's own)
-    mixed = getattr(strategy, "mixed_precision", None) or getattr(strategy, "_mp_policy", None)
+    config = getattr(strategy, "_config", None)
+    mixed = getattr(strategy, "mixed_precision", None) or getattr(config, "mp_policy", None)
     chosen = dtype or compute_dtype(precision, mixed)
     return peak_flops(device, chosen)
 

@@ -108,8 +108,10 @@ def test_pretrained_weights_from_yaml(llama_dir):
     parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
     config = parser.parse_string(f"strategy:\n  pretrained_weights: {llama_dir}\n  pretrained_prefix: model.\n")
     strategy = GaudiFSDPStrategy(**config.strategy.as_dict())
-    assert strategy._pretrained == pretrained.Weights(llama_dir, "safetensors", strategy._pretrained.files, "model.")
-    assert len(strategy._pretrained.files) > 2
+    assert strategy._config.pretrained == pretrained.Weights(
+        llama_dir, "safetensors", strategy._config.pretrained.files, "model."
+    )
+    assert len(strategy._config.pretrained.files) > 2
     assert "pretrained_prefix: model." in parser.dump(config)
 
 

@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gaudi_fsdp.checkpoint import convert, formats, loading, trust
 from lightning_gaudi_fsdp.cli import main
+from lightning_gaudi_fsdp.engine import fsdp1_io
+from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
 
 # What save_hyperparameters commonly holds: plain values, containers, a path and numpy scalars.
 HPARAMS: dict[str, Any] = {
@@ -125,8 +127,10 @@ def _local_from(ckpt: dict[str, Any], path: Path) -> Path:
 def _check_load(path: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> loading.PendingLoad:
     # An unwrapped model: FSDP's state-dict context plays no part in what is unpickled (the distributed test runs
     # the real thing), so it is a no-op here.
-    monkeypatch.setattr(loading, "state_dict_context", lambda *a, **k: contextlib.nullcontext())
-    return loading.check_load(path, Tiny(), world_size=1, rank=0, device_type="cpu", strict=True, **kwargs)
+    monkeypatch.setattr(fsdp1_io, "state_dict_context", lambda *a, **k: contextlib.nullcontext())
+    return loading.check_load(
+        path, Tiny(), engine=FSDP1(), world_size=1, rank=0, device_type="cpu", strict=True, **kwargs
+    )
 
 
 # ------------------------------------------------------------------------------------------- own checkpoints load
@@ -197,7 +201,7 @@ def _bad_copy(own: dict[str, Path], fmt: str, target: str, tmp_path: Path) -> tu
         ckpt = torch.load(own["full"], weights_only=False)
         ckpt["optimizer_states"][0]["param_groups"][0]["payload"] = Payload(marker)
         path.mkdir()
-        formats._save_sharded(convert._sharded_from_full(ckpt, []), path, rank=0, world_size=None, no_dist=True)
+        formats.save_sharded(convert._sharded_from_full(ckpt, []), path, rank=0, world_size=None, no_dist=True)
         shutil.copy(own["sharded"] / formats.SHARDED_METADATA, path)  # the payload only in the entry
     else:
         file = path if path.is_file() else path / target

@@ -33,6 +33,7 @@ from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave, sigterm_later
 
 from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
 GLOBAL_BATCH = 8
@@ -69,7 +70,7 @@ def device_type(model: Any) -> str:
 
 
 def full_weights(model: Any, rank: int) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    state = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", device_type(model))
     return {k.removeprefix("net."): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
@@ -112,7 +113,7 @@ def raw_checks(
 
     # a plain torch.save of the model's state dict, into both
     plain_file = out / "plain.pt"
-    full = formats.model_state_dict(model._forward_module, "full", device_type(model))
+    full = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", device_type(model))
     if rank == 0:
         torch.save(full, plain_file)
     fabric.barrier()
@@ -125,7 +126,7 @@ def raw_checks(
     # an optimizer alone: from a full checkpoint, refused for the others with what to do instead
     try:
         fabric.load_raw(ckpt, other_optimizer)
-        loaded = formats.optimizer_state_dict(
+        loaded = engine_of(other._forward_module).optimizer_state_dict(
             other._forward_module, other_optimizer.optimizer, "full", device_type(other), rank
         )
         if rank == 0:
@@ -158,14 +159,15 @@ def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str
 
     strategy, rank = fabric.strategy, fabric.global_rank
     unwrapped = {k: v._forward_module if v is model else v.optimizer if v is optimizer else v for k, v in state.items()}
-    if strategy._state_dict_type == "sharded" and strategy._fsdp_version == 1:
+    if strategy._state_dict_type == "sharded" and strategy._config.fsdp_version == 1:
         FSDPStrategy.save_checkpoint(strategy, path, unwrapped)
         return
     if strategy._state_dict_type == "sharded":
         _save_checkpoint(Path(path), unwrapped, full_state_dict=False, rank=rank)
         return
-    weights = formats.model_state_dict(model._forward_module, "full", device_type(model))
-    by_id = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
+    engine = engine_of(model._forward_module)
+    weights = engine.model_state_dict(model._forward_module, "full", device_type(model))
+    by_id = engine.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
     if rank != 0:
         return
     plain = Module(depth=3)  # the unwrapped model: the names FSDP.optim_state_dict keys the state by
@@ -227,7 +229,7 @@ def main() -> None:
     optimizer, scheduler = make_optimizer(model.parameters())
     optimizer = fabric.setup_optimizers(optimizer)
     info["precision"] = type(fabric.strategy.precision).__name__
-    info["engine"] = fabric.strategy._fsdp_version
+    info["engine"] = fabric.strategy._config.fsdp_version
     initial = full_weights(model, rank)
 
     state: dict[str, Any] = {
@@ -253,7 +255,7 @@ def main() -> None:
         at_load = full_weights(model, rank)
         loaded = {  # collectives: every rank
             "weights": at_load,
-            "optimizer": formats.optimizer_state_dict(
+            "optimizer": engine_of(model._forward_module).optimizer_state_dict(
                 model._forward_module, optimizer.optimizer, "full", device_type(model), rank
             ),
             "scheduler": scheduler.state_dict(),
@@ -346,7 +348,9 @@ def main() -> None:
         final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
     )
     final = full_weights(model, rank)
-    optim = formats.optimizer_state_dict(model._forward_module, optimizer.optimizer, "full", device_type(model), rank)
+    optim = engine_of(model._forward_module).optimizer_state_dict(
+        model._forward_module, optimizer.optimizer, "full", device_type(model), rank
+    )
     if rank == 0:
         torch.save(
             {

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from train import leave
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 
 class SyncModule(Module):
@@ -114,7 +114,7 @@ def main() -> None:
         for source, ckpt in ckpts.items():
             trainer.save_checkpoint(ckpt, weights_only=source == "weights_only")
         result["val_current"] = trainer.validate(module, verbose=False)[0]["val_loss"]
-        full = formats.model_state_dict(trainer.strategy.model, "full", "cpu")
+        full = engine_of(trainer.strategy.model).model_state_dict(trainer.strategy.model, "full", "cpu")
         trainer2 = _trainer(cfg, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
         for source, ckpt in ckpts.items():
             fresh = SyncModule(n_samples=64)

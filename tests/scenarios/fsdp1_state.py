@@ -49,15 +49,17 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True) -> bool:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first); whether the stream
     planned anything."""
-    from lightning_gaudi_fsdp._shared import gather_objects
     from lightning_gaudi_fsdp.checkpoint import formats
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+    from lightning_gaudi_fsdp.engine.base import of as engine_of
+    from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     plan = FullStream(rank) if stream else None
+    engine = engine_of(model)  # either engine's model (the FSDP2 scenario saves with this too)
     checkpoint = {
-        "state_dict": formats.model_state_dict(model, "full", "cpu", plan),
-        "optimizer_states": [formats.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
+        "state_dict": engine.model_state_dict(model, "full", "cpu", plan),
+        "optimizer_states": [engine.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
         "epoch": 3,
     }
     formats.save(
@@ -138,8 +140,7 @@ def main() -> None:
     from torch.distributed.fsdp import MixedPrecision, OptimStateKeyType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lightning_gaudi_fsdp.checkpoint import formats
-    from lightning_gaudi_fsdp.engine import fsdp1_state
+    from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
 
     cfg = load_config()
     out = Path(cfg["out"])
@@ -163,22 +164,22 @@ def main() -> None:
 
     ours = {
         fmt: {
-            "model": formats.model_state_dict(model, fmt, "cpu"),
-            "optimizer_0": formats.optimizer_state_dict(model, optimizer, fmt, "cpu", rank),
+            "model": fsdp1_io.model_state_dict(model, fmt, "cpu"),
+            "optimizer_0": fsdp1_io.optimizer_state_dict(model, optimizer, fmt, "cpu", rank),
         }
         for fmt in ("sharded", "full")
     }
     theirs = {}
     for fmt in ("sharded", "full"):
-        with formats.state_dict_context(model, fmt, "cpu"):
+        with fsdp1_io.state_dict_context(model, fmt, "cpu"):
             optim = FSDP.optim_state_dict(model, optimizer)
             if fmt == "full" and rank == 0 and cfg["use_orig_params"]:
                 optim = FSDP.rekey_optim_state_dict(optim, OptimStateKeyType.PARAM_ID, model)
             theirs[fmt] = {"model": model.state_dict(), "optimizer_0": optim}
     # The local state, read from the modules without FSDP's state-dict hooks, holds what torch's hooks build: each
     # unit's flat-parameter shard and every entry FSDP does not manage, bitwise (and is the same memory).
-    local_ours = formats.model_state_dict(model, "local", "cpu")
-    with formats.state_dict_context(model, "local", "cpu"):
+    local_ours = fsdp1_io.model_state_dict(model, "local", "cpu")
+    with fsdp1_io.state_dict_context(model, "local", "cpu"):
         local_theirs = {
             key: (value.local_shards()[0].tensor if hasattr(value, "local_shards") else value)
             for key, value in model.state_dict().items()
@@ -192,7 +193,7 @@ def main() -> None:
     hook = model.module[0]._fsdp_wrapped_module._register_state_dict_hook(
         lambda module, state, prefix, local_metadata: state.__setitem__(prefix + "extra", torch.ones(1))
     )
-    local_with_hook = sorted(formats.model_state_dict(model, "local", "cpu"))
+    local_with_hook = sorted(fsdp1_io.model_state_dict(model, "local", "cpu"))
     hook.remove()
     # The same full checkpoint saved streamed: no tensor gathered before the write, the file reads back the same.
     streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")

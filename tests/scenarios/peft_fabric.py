@@ -16,8 +16,8 @@ from common import load_config, write_json
 from peft_train import DECODER_LAYER, SEQ, TINY_LLAMA, _gen, build_model
 from train import leave
 
-from lightning_gaudi_fsdp.checkpoint import formats
-from lightning_gaudi_fsdp.checkpoint.layout import _clean
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     mine = tokens[rank::world]  # DistributedSampler(shuffle=False): rows r, r + world, ...
 
     def weights(name: str) -> None:
-        state = formats.model_state_dict(model._forward_module, "full", "cpu")
+        state = engine_of(model._forward_module).model_state_dict(model._forward_module, "full", "cpu")
         if rank == 0:
             torch.save(state, out / name)
 
@@ -47,7 +47,7 @@ def main() -> None:
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         fabric.backward(loss)
         frozen_with_grad.update(
-            _clean(n) for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None
+            clean_name(n) for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None
         )
         optimizer.step()
         optimizer.zero_grad()

@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
-from lightning_gaudi_fsdp.checkpoint import formats
-from lightning_gaudi_fsdp.checkpoint.layout import _clean
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 TINY_LLAMA = {
     "vocab_size": 96,
@@ -91,7 +91,7 @@ class Probe(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         for name, p in trainer.strategy.model.named_parameters():
             if not p.requires_grad and p.grad is not None:
-                self.frozen_with_grad.add(_clean(name))
+                self.frozen_with_grad.add(clean_name(name))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -110,7 +110,9 @@ class Probe(Callback):
 def _full_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
     if trainer.world_size == 1 and not isinstance(trainer.strategy, GaudiFSDPStrategy):
         return {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-    return formats.model_state_dict(trainer.strategy.model, "full", trainer.strategy.root_device.type)
+    return engine_of(trainer.strategy.model).model_state_dict(
+        trainer.strategy.model, "full", trainer.strategy.root_device.type
+    )
 
 
 def main() -> None:
@@ -134,7 +136,7 @@ def main() -> None:
         optim = trainer.optimizers[0].state_dict()
     else:
         model, device = trainer.strategy.model, trainer.strategy.root_device.type
-        optim = formats.optimizer_state_dict(model, trainer.optimizers[0], "full", device, rank)
+        optim = engine_of(model).optimizer_state_dict(model, trainer.optimizers[0], "full", device, rank)
     if rank == 0:
         torch.save({"weights": weights, "optimizer": optim, "step": trainer.global_step}, out / "final.pt")
     from train import leave

@@ -25,7 +25,7 @@ from common import QUIET_TRAINER, PeakSampler, load_config, write_json
 from torch.utils.data import DataLoader
 from train import leave
 
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 BATCH, SEQ = 4, 16
@@ -55,10 +55,8 @@ def strategy_args(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def held(model: torch.nn.Module) -> int:
-    from lightning_gaudi_fsdp import _report
-
-    return _report.held_elements(model)
+def held(strategy: Any, model: torch.nn.Module) -> int:
+    return strategy._engine.held_elements(model)
 
 
 def rotary_ok(model: torch.nn.Module, cfg: dict[str, Any]) -> bool:
@@ -128,7 +126,7 @@ class FineTune(L.LightningModule):
 
 
 def loaded_state(cfg: dict[str, Any], model: torch.nn.Module, rank: int, strip: str) -> dict[str, torch.Tensor]:
-    state = formats.model_state_dict(model, "full", "cpu")
+    state = engine_of(model).model_state_dict(model, "full", "cpu")
     return {k.removeprefix(strip): v.clone() for k, v in state.items()} if rank == 0 else {}
 
 
@@ -195,7 +193,7 @@ class Probe(L.Callback):
         if "held" in self.info:
             return
         model = trainer.strategy.model
-        self.info.update(held=held(model), rotary_ok=rotary_ok(model, self.cfg))
+        self.info.update(held=held(trainer.strategy, model), rotary_ok=rotary_ok(model, self.cfg))
         self.loaded.update(loaded_state(self.cfg, model, trainer.global_rank, "model."))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -226,7 +224,7 @@ def run_fabric(cfg: dict[str, Any], out: Path) -> None:
             model = build(cfg)
         info["meta_after_configure_model"] = all(p.is_meta for p in model.parameters())
         model = fabric.setup_module(model)
-    info.update(held=held(model), rotary_ok=rotary_ok(model, cfg))
+    info.update(held=held(fabric.strategy, model), rotary_ok=rotary_ok(model, cfg))
     loaded = loaded_state(cfg, model._forward_module, rank, "") if cfg.get("gather", True) else {}
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     for batch in tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg["weights"]).vocab_size):

@@ -26,7 +26,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint import formats
-from lightning_gaudi_fsdp.engine import fsdp2
+from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp2
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 
 def fsdp_units(model: torch.nn.Module) -> list[Any]:
@@ -57,7 +58,7 @@ class Probe(Callback):
             )
         if not fsdp_units(model) and not fsdp2.is_fsdp2(model):
             return
-        full = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
+        full = engine_of(model).model_state_dict(model, "full", trainer.strategy.root_device.type)
         if trainer.global_rank == 0:
             values = torch.cat([v.reshape(-1) for k, v in full.items() if "weight" in k or "bias" in k])
             self.info["initial_unique_values"] = [round(v, 6) for v in values.round(decimals=6).unique()[:10].tolist()]
@@ -77,8 +78,8 @@ class Probe(Callback):
             return
         # what a resume restored: weights, optimizer and schedulers before the first step
         model, device_type, rank = trainer.strategy.model, trainer.strategy.root_device.type, trainer.global_rank
-        state = formats.model_state_dict(model, "full", device_type)
-        optim = formats.optimizer_state_dict(model, trainer.optimizers[0], "full", device_type, rank)
+        state = engine_of(model).model_state_dict(model, "full", device_type)
+        optim = engine_of(model).optimizer_state_dict(model, trainer.optimizers[0], "full", device_type, rank)
         if rank == 0:
             torch.save(
                 {
@@ -434,7 +435,7 @@ def lightning_stock_strategy(strategy_cfg: dict[str, Any]) -> Any:
     torch_fsdp.FullyShardedDataParallel = CPUDeviceFSDP  # Lightning imports it inside _setup_model
 
     def no_offload_full_context(module: Any, world_size: int, rank0_only: bool = True) -> Any:
-        return formats.state_dict_context(module, "full", "cpu", rank0_only=rank0_only)  # offload_to_cpu=False
+        return fsdp1_io.state_dict_context(module, "full", "cpu", rank0_only=rank0_only)  # offload_to_cpu=False
 
     lightning_fsdp._get_full_state_dict_context = no_offload_full_context
     kwargs = dict(strategy_cfg)
@@ -685,8 +686,10 @@ def main() -> None:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         optim = opt.state_dict()
     else:
-        state = formats.model_state_dict(model, "full", trainer.strategy.root_device.type)
-        optim = formats.optimizer_state_dict(model, opt, "full", trainer.strategy.root_device.type, trainer.global_rank)
+        state = engine_of(model).model_state_dict(model, "full", trainer.strategy.root_device.type)
+        optim = engine_of(model).optimizer_state_dict(
+            model, opt, "full", trainer.strategy.root_device.type, trainer.global_rank
+        )
     if trainer.global_rank == 0:
         state = {k.removeprefix("net."): v for k, v in state.items()}
         schedulers = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]

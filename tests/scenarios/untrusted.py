@@ -24,6 +24,7 @@ from train import leave
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine.base import of as engine_of
 
 SMOOTHING, SEED_OFFSET = np.float64(0.1), np.int64(3)
 K = 4  # steps per epoch: 32 samples, 4 per rank, 2 ranks; checkpoints at an epoch boundary resume exactly
@@ -92,7 +93,7 @@ def fit(max_steps: int, ckpt: Path | None = None, weights_only: bool | None = No
 
 
 def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    return formats.model_state_dict(trainer.strategy.model, "full", "cpu")
+    return engine_of(trainer.strategy.model).model_state_dict(trainer.strategy.model, "full", "cpu")
 
 
 def craft(good: Path, bad: Path, target: str, marker: Path) -> None:

@@ -20,24 +20,27 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
+    HF_KEY,
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
     SHARDED_METADATA,
     WORLD_SIZE_KEY,
     CheckpointError,
-    _save_sharded,
     bytes_to_write,
     detect_format,
     local_shard_name,
     optimizer_state_by_name,
     read_local_metadata,
     save_file,
+    save_sharded,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 from lightning_gaudi_fsdp.checkpoint.views import (
     dcp_model_key,
@@ -69,8 +72,6 @@ def _tensor_summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
 
 
 def _trainer_fields(rest: dict[str, Any]) -> dict[str, Any]:
-    from lightning_gaudi_fsdp.checkpoint.hf_export import HF_KEY
-
     engine = rest.get(ENGINE_KEY)
     return {
         "engine": f"FSDP{engine}" if engine in (1, 2) else "unknown (not written by lightning-gaudi-fsdp)",
@@ -156,12 +157,10 @@ def load_full_state(
 def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     # DCP's own offline reader (what dcp_to_torch_save uses), loading straight into tensors it allocates from the
     # metadata: one copy of the checkpoint in memory, no temporary file read back.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
     reader = storage_reader(path, weights_only=weights_only)
     rest = _sharded_view(path, reader.read_metadata(), weights_only)
     state: dict[str, Any] = {}
-    read_distributed(path, state, _EmptyStateDictLoadPlanner(), weights_only=weights_only)
+    read_distributed(path, state, torch_internals.empty_load_planner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
     rest.pop(WORLD_SIZE_KEY, None)  # the writers of this checkpoint, not of what is made from it
     rest["state_dict"] = state.pop(dcp_model_key(rest))
@@ -198,7 +197,7 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     flat_keys = {entry["key"] for entry in layout}
     state: dict[str, torch.Tensor] = {k: v for k, v in shards[0]["model"].items() if k not in flat_keys}
     for entry in progress(layout, "unflattening parameters", len(layout)):
-        state.update(unflatten(_join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
+        state.update(unflatten(join_rank_slices(shard["model"][entry["key"]] for shard in shards), entry))
     rest["state_dict"] = state
     join = functools.partial(_local_optimizer_to_full, layout=layout)
     return rest, _join_local_optimizers(rest, meta, [shard.get("optimizer_states") or [] for shard in shards], join)
@@ -262,11 +261,6 @@ def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> 
     return {"state": full, "param_groups": groups}
 
 
-def _join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Every rank's contiguous slice of one (flat) tensor, in rank order, as the whole flat tensor."""
-    return torch.cat([piece.reshape(-1) for piece in slices])
-
-
 def _local_optimizer_to_full(
     states: list[dict[str, Any]], names: list[str], layout: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -276,18 +270,20 @@ def _local_optimizer_to_full(
     ``use_orig_params=True``) or of the flat parameter (with ``False``): concatenated in rank order they are the whole,
     unflattened like the weights. Scalars (``step``) are the same on every rank."""
     flat_entries = {entry["key"]: entry for entry in layout}
-    shapes = {_join(e["prefix"], fqn): shape for e in layout for fqn, shape in zip(e["fqns"], e["shapes"], strict=True)}
+    shapes = {
+        join_name(e["prefix"], fqn): shape for e in layout for fqn, shape in zip(e["fqns"], e["shapes"], strict=True)
+    }
 
     def fqns(name: str) -> list[str]:
         entry = flat_entries.get(name)
-        return [_join(entry["prefix"], fqn) for fqn in entry["fqns"]] if entry else [name]
+        return [join_name(entry["prefix"], fqn) for fqn in entry["fqns"]] if entry else [name]
 
     full: dict[str, dict[str, Any]] = {}
     for pid, name in enumerate(names):
         present = [s["state"][pid] for s in states if s["state"].get(pid)]  # ranks whose slice is empty hold none
         for key, first in present[0].items() if present else ():
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                whole = _join_rank_slices(p[key] for p in present)
+                whole = join_rank_slices(p[key] for p in present)
                 if name in flat_entries:
                     pieces = unflatten(whole, flat_entries[name])
                 else:
@@ -332,7 +328,7 @@ def convert(
         checkpoint = _sharded_from_full(checkpoint, notes)
         if is_fabric(checkpoint):
             checkpoint = fabric_layout(checkpoint)
-        write = lambda: _save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
+        write = lambda: save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
     storage.write_atomically(
         dst,
         [write],

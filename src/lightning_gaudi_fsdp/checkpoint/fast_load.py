@@ -33,7 +33,8 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2
+from lightning_gaudi_fsdp.checkpoint.formats import merge_groups
+from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2_state
 
 # A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
 # shaped like the box).
@@ -81,7 +82,7 @@ def plan(
     and ``optimizers``; ``None`` where torch's path must do it (see the module's docstring). ``model_key``,
     ``optimizer_keys``: the DCP keys of the model and of each optimizer (the Trainer's: ``model``,
     ``optimizer_<i>``; a Fabric checkpoint's: the keys of the user's state, see :mod:`.views`)."""
-    engine2 = fsdp2.is_fsdp2(model)
+    engine2 = fsdp2_state.is_fsdp2(model)
     if not (engine2 or fsdp1_state.supported(model)):
         return None
     keys = set(metadata.state_dict_metadata)
@@ -143,7 +144,7 @@ def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch
     they are copied into after the read; ``None`` for an entry that is not one of the model's tensors."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
+    from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name as _clean
 
     own = {_clean(n): t for n, t in (*model.named_parameters(), *model.named_buffers())}
     pairs = []
@@ -387,12 +388,10 @@ def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
 def apply(planned: Plan, read: Any) -> None:
     """Read everything ``planned`` lists with ``read(pieces, planner)`` (one pass over the files), then put the
     optimizer state and hyper-parameters in place."""
-    from lightning_gaudi_fsdp.checkpoint.loading import _merge_groups
-
     read(planned.pieces, _PiecePlanner(planned.pieces))
     with torch.no_grad():
         for value, target in planned.live:
             target.copy_(value)
     for optimizer, one, groups in planned.optimizers:
-        groups = _merge_groups(optimizer, {"param_groups": groups})
+        groups = merge_groups(optimizer, {"param_groups": groups})
         optimizer.load_state_dict({"state": one.state, "param_groups": groups})

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,10 +32,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
-from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
-from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
 
 CheckpointFormat = Literal["full", "sharded", "local"]
 SHARDED_METADATA = "meta.pt"  # Lightning's name: a folder with it is a sharded checkpoint to Lightning too
@@ -46,6 +44,7 @@ LOCAL_FORMAT_VERSION = 1
 OPTIMIZER_GROUPS_KEY = "gaudi_fsdp_optimizer_param_groups"
 PARAM_ID_NAMES_KEY = "gaudi_fsdp_param_id_names"  # in full checkpoints: the name of each optimizer parameter id
 ENGINE_KEY = "gaudi_fsdp_engine"  # the FSDP engine (1 or 2) that wrote the checkpoint, in its trainer state
+HF_KEY = "gaudi_fsdp_hf_model"  # JSON: {"prefix": "model.", "peft": {adapter name: LoraConfig dict} | null}
 BOOK_KEY = "gaudi_fsdp"  # Fabric's layout: the package's bookkeeping (see .views), naming the model and optimizers
 # sharded: the number of ranks that wrote it, in meta.pt (local checkpoints keep theirs in local_metadata.json); absent
 # where no world size applies (convert's single-process output) and in checkpoints written before it was recorded
@@ -86,166 +85,14 @@ def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
 
 
 # ---------------------------------------------------------------------------------------------------- contexts
-def state_dict_context(
-    model: Module, fmt: CheckpointFormat, device_type: str, rank0_only: bool = True
-) -> AbstractContextManager:
-    """FSDP's state-dict context for ``fmt``. Shards that already live on the CPU are not offloaded again: with
-    ``offload_to_cpu=True`` torch 2.13 frees memory it still reads while building a full state dict on CPU."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-    from torch.distributed.fsdp.api import (
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
-        LocalOptimStateDictConfig,
-        LocalStateDictConfig,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-    )
-
-    offload = device_type != "cpu"
-    if fmt == "full":
-        configs: tuple[Any, Any, Any] = (
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-        )
-    elif fmt == "sharded":
-        configs = (
-            StateDictType.SHARDED_STATE_DICT,
-            ShardedStateDictConfig(offload_to_cpu=offload),
-            ShardedOptimStateDictConfig(offload_to_cpu=offload),
-        )
-    else:
-        configs = (StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig(), LocalOptimStateDictConfig())
-    return FSDP.state_dict_type(model, *configs)
-
-
-def _managed_names(model: Module) -> set[str]:
-    return {f"{e['prefix']}.{f}" if e["prefix"] else f for e in flat_param_layout(model) for f in e["fqns"]}
-
-
 # ---------------------------------------------------------------------------------------------- state extraction
-def model_state_dict(
-    model: Module, fmt: CheckpointFormat, device_type: str, stream: FullStream | None = None
-) -> dict[str, Any]:
-    """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``). ``stream``: where the package gathers
-    a full state itself, plan the gather on it instead (placeholders on rank 0, see :mod:`.streaming`); the
-    checkpoint must then be saved with it (:func:`save`) and nothing else may read it."""
-    if fsdp2.is_fsdp2(model):
-        return fsdp2_state.model_state_dict(model, fmt, stream)
-    if fmt == "sharded" and fsdp1_state.supported(model):
-        # Each rank's own slices, no all-gather; the entries FSDP does not shard as a local state dict has them.
-        return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
-    if fmt == "full" and fsdp1_state.supports_full(model):
-        # Each parameter's pieces sent straight to rank 0, no all-gather on every rank.
-        return fsdp1_state.full_model_state_dict(model, _local_state(model, device_type, flat=False), stream)
-    if fmt == "local":
-        return _local_state(model, device_type, flat=True)
-    with state_dict_context(model, fmt, device_type):
-        return model.state_dict()
-
-
-def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, Any]:
-    """The local state dict: each rank's flat-parameter shard (with ``flat``) and every entry FSDP does not manage
-    (buffers, ignored parameters). Tensors are moved to the CPU, not copied there: a synchronous save writes them
-    before training goes on, an asynchronous one stages them into its own buffers first."""
-    state = _local_state_without_hooks(model)
-    if state is None:
-        with state_dict_context(model, "local", device_type):
-            state = model.state_dict()
-    managed = _managed_names(model)
-    local: dict[str, Any] = {}
-    for key, value in state.items():
-        if key.endswith(FLAT_PARAM):
-            if flat:
-                if isinstance(value, torch.Tensor) and hasattr(value, "local_shards"):  # torch's ShardedTensor
-                    shards = value.local_shards()
-                    value = shards[0].tensor if shards else torch.empty(0)
-                local[key] = value.detach().to("cpu")
-        elif key not in managed:
-            local[key] = value.detach().to("cpu")
-    return local
-
-
-_FSDP1_HOOK_MODULES = (
-    "torch.distributed.fsdp._state_dict_utils",  # FSDP's own state-dict hooks
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",  # strips the activation-checkpointing prefix
-)
-
-
-def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
-    """``model.state_dict()`` under FSDP's local state-dict type, read from the modules themselves (each module's
-    own ``_save_to_state_dict``, so persistent buffers, extra state and overrides are as ``state_dict`` has them), and
-    with each unit's flat-parameter shard as a plain tensor. FSDP's hook would wrap every shard in a ``ShardedTensor``,
-    one ``all_gather_object`` per unit, which a save only unwraps again: on two CPU ranks that was about a third of
-    the time an asynchronous local save blocked training. ``None`` when a module carries state-dict hooks other
-    than FSDP's and the checkpoint wrapper's (the caller then asks ``state_dict()``)."""
-    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
-
-    modules = list(model.named_modules(remove_duplicate=False))
-    for _, module in modules:
-        hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
-        if any(getattr(getattr(h, "func", h), "__module__", None) not in _FSDP1_HOOK_MODULES for h in hooks):
-            return None
-    state: dict[str, Any] = {}
-    for name, module in modules:
-        own: dict[str, Any] = {}
-        module._save_to_state_dict(own, f"{name}." if name else "", False)
-        state.update((_clean(key), value) for key, value in own.items() if not key.endswith(FLAT_PARAM))
-        handle = module._handle if isinstance(module, FullyShardedDataParallel) else None
-        if handle is not None:
-            if not handle.uses_sharded_strategy:
-                return None  # torch's own path raises its error for a local state dict without sharding
-            flat_param = handle.flat_param
-            valid = flat_param.numel() - flat_param._shard_numel_padded  # the shard without FSDP's padding
-            state[_join(_clean(name), FLAT_PARAM)] = flat_param.detach()[:valid] if valid > 0 else torch.empty(0)
-    return state
-
-
-def optimizer_state_dict(
-    model: Module,
-    optimizer: Optimizer,
-    fmt: CheckpointFormat,
-    device_type: str,
-    rank: int,
-    stream: FullStream | None = None,
-) -> dict[str, Any]:
-    """The optimizer's state in ``fmt``; ``stream``: as for :func:`model_state_dict`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import OptimStateKeyType
-
-    if fsdp2.is_fsdp2(model):
-        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank, stream)
-    if fmt == "local":
-        return optimizer.state_dict()
-    if fmt == "sharded" and fsdp1_state.supported(model):
-        state = fsdp1_state.optimizer_state_dict(model, optimizer)
-        if state is not None:
-            return state
-    if fmt == "full" and fsdp1_state.supports_full(model):
-        state = fsdp1_state.full_optimizer_state_dict(model, optimizer, stream)
-        if state is not None:
-            return state
-    with state_dict_context(model, fmt, device_type):
-        state = FSDP.optim_state_dict(model, optimizer)
-        if fmt == "full" and rank == 0 and getattr(model, "_use_orig_params", False):
-            # torch's standard per-parameter-id form; with use_orig_params=False the parameters a plain optimizer
-            # would see do not exist, so the state stays keyed by parameter name (both forms load here).
-            state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
-    return state
-
-
 def param_id_names(model: Module, optimizer: Optimizer | None = None) -> list[str]:
     """The parameter name for each id of an optimizer state, so offline tools can key that state by name again.
 
     Without ``optimizer``: ids follow ``model.parameters()``, as in a full checkpoint (``FSDP.rekey_optim_state_dict``).
     With it: ids follow the optimizer's own parameter order, as in ``optimizer.state_dict()`` (a local checkpoint);
     there, with ``use_orig_params=False``, the names are those of flat parameters (``<unit>._flat_param``)."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
-    names = {id(p): _clean(name) for name, p in model.named_parameters()}
+    names = {id(p): clean_name(name) for name, p in model.named_parameters()}
     if optimizer is None:
         return [names[id(p)] for p in model.parameters()]
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -258,6 +105,11 @@ def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict
         "state": {names[i]: value for i, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
     }
+
+
+def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    current = optimizer.state_dict()["param_groups"]
+    return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------------- saving
@@ -298,7 +150,7 @@ def save(
     elif fmt == "full":
         writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
     elif fmt == "sharded":
-        writes = [lambda: _save_sharded(checkpoint, staging, rank, world_size, process_group=process_group)]
+        writes = [lambda: save_sharded(checkpoint, staging, rank, world_size, process_group=process_group)]
     else:
         shard = {"model": model_state, "optimizer_states": optimizer_states}
         meta = {"format": "local", "format_version": LOCAL_FORMAT_VERSION, "world_size": world_size}
@@ -373,7 +225,7 @@ def _dcp_state(checkpoint: dict[str, Any], model_state: dict[str, Any], optimize
     return {"model": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
 
 
-def _save_sharded(
+def save_sharded(
     checkpoint: dict[str, Any],
     staging: Path,
     rank: int,
@@ -412,21 +264,17 @@ def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Ma
 
 
 def local_metadata(
-    model: Module, sharding_strategy: str, versions: Mapping[str, str], optimizers: Sequence[Optimizer] = ()
+    layout: Mapping[str, Any],
+    model: Module,
+    sharding_strategy: str,
+    versions: Mapping[str, str],
+    optimizers: Sequence[Optimizer] = (),
 ) -> dict[str, Any]:
-    if fsdp2.is_fsdp2(model):
-        return {
-            "engine": 2,
-            "sharding_strategy": sharding_strategy,
-            "parameters": fsdp2_state.local_layout(model),
-            "optimizer_param_names": [param_id_names(model, optimizer) for optimizer in optimizers],
-            "versions": dict(versions),
-        }
+    """A local checkpoint's metadata: ``layout`` (the engine's record of the model, with its ``engine``), the
+    sharding strategy, each optimizer's parameter names and the versions."""
     return {
-        "engine": 1,
+        **layout,
         "sharding_strategy": sharding_strategy,
-        "fsdp_units": fsdp_units(model),
-        "flat_params": flat_param_layout(model),
         "optimizer_param_names": [param_id_names(model, optimizer) for optimizer in optimizers],
         "versions": dict(versions),
     }

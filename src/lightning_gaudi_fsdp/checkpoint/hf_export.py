@@ -32,11 +32,12 @@ from typing import Any, Literal
 import torch
 from torch.nn import Module
 
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import commit, storage
+from lightning_gaudi_fsdp.checkpoint.formats import HF_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
-HF_KEY = "gaudi_fsdp_hf_model"  # JSON: {"prefix": "model.", "peft": {adapter name: LoraConfig dict} | null}
 PEFT_WRAPPER = "base_model.model."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
@@ -47,12 +48,10 @@ _UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "K
 def hf_model_record(model: Module) -> str | None:
     """Where the outermost Hugging Face model (``PreTrainedModel`` or ``PeftModel``) sits in ``model``, and the PEFT
     adapter configurations when it is a PEFT model, as a JSON string (safe to unpickle); None when there is none."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
     for name, module in model.named_modules():
         if not (hasattr(module, "save_pretrained") and hasattr(module, "config")):
             continue
-        prefix = f"{_clean(name)}." if _clean(name) else ""
+        prefix = f"{clean_name(name)}." if clean_name(name) else ""
         configs = getattr(module, "peft_config", None)
         peft = {k: c.to_dict() for k, c in configs.items()} if isinstance(configs, dict) else None
         return json.dumps({"prefix": prefix, "peft": peft}, default=_jsonable, sort_keys=True)

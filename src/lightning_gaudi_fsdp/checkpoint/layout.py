@@ -7,57 +7,43 @@ checkpoint stores in its metadata so that it can be turned into full tensors off
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.nn import Module
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
+
 FLAT_PARAM = "_flat_param"
-
-
-def _clean(name: str) -> str:
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    return clean_tensor_name(name)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def flat_param_layout(model: Module) -> list[dict[str, Any]]:
     """One entry per FSDP unit that owns parameters, in module order."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    layout: list[dict[str, Any]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDP) or module._handle is None:
-            continue
-        flat = module._handle.flat_param
-        prefix = _clean(name)
-        numels_with_padding = list(getattr(flat, "_numels_with_padding", None) or flat._numels)
-        padding_mask = list(getattr(flat, "_is_padding_mask", None) or [False] * len(numels_with_padding))
-        layout.append(
-            {
-                "key": _join(prefix, FLAT_PARAM),
-                "prefix": prefix,
-                "fqns": list(flat._fqns),
-                "shapes": [list(s) for s in flat._shapes],
-                "numels": [int(n) for n in flat._numels],
-                "numels_with_padding": [int(n) for n in numels_with_padding],
-                "is_padding_mask": [bool(p) for p in padding_mask],
-                "dtype": str(flat.dtype).removeprefix("torch."),
-            }
-        )
-    return layout
+    return [
+        {
+            "key": join_name(unit.name, FLAT_PARAM),
+            "prefix": unit.name,
+            "fqns": list(unit.fqns),
+            "shapes": [list(s) for s in unit.shapes],
+            "numels": list(unit.numels),
+            "numels_with_padding": list(unit.numels_with_padding),
+            "is_padding_mask": list(unit.is_padding_mask),
+            "dtype": str(unit.dtype).removeprefix("torch."),
+        }
+        for unit in fsdp1_internals.units(model)
+    ]
 
 
 def fsdp_units(model: Module) -> list[str]:
     """Clean names of every FSDP unit (the wrap layout); ``""`` is the root."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    return list(fsdp1_internals.unit_sizes(model))
 
-    return [_clean(name) for name, module in model.named_modules() if isinstance(module, FSDP)]
+
+def join_rank_slices(slices: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Every rank's contiguous slice of one (flat) tensor, in rank order, as the whole flat tensor."""
+    return torch.cat([piece.reshape(-1) for piece in slices])
 
 
 def unflatten(flat: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -72,5 +58,5 @@ def unflatten(flat: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, torch.T
         if is_padding:
             continue
         fqn, shape = next(originals)
-        out[_join(entry["prefix"], fqn)] = piece.reshape(shape).clone()
+        out[join_name(entry["prefix"], fqn)] = piece.reshape(shape).clone()
     return out

@@ -26,11 +26,9 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointFormat,
     detect_format,
     local_shard_name,
-    model_state_dict,
+    merge_groups,
     read_local_metadata,
-    state_dict_context,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, _clean, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import (
     check_distributed_entries,
     load_file,
@@ -44,28 +42,9 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     internal_view,
     with_dcp_keys,
 )
-from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2, fsdp2_state
 
 
 # ------------------------------------------------------------------------------------------------------ checking
-def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the parameters a full state dict of ``model`` must hold."""
-    if fsdp2.is_fsdp2(model):
-        return fsdp2_state.expected_full_shapes(model)
-    shapes = {
-        (f"{e['prefix']}.{f}" if e["prefix"] else f): tuple(s)
-        for e in flat_param_layout(model)
-        for f, s in zip(e["fqns"], e["shapes"], strict=True)
-    }
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
-    for name, param in model.named_parameters():
-        clean = _clean(name)
-        if not isinstance(param, FlatParameter) and clean not in shapes:
-            shapes[clean] = tuple(param.shape)
-    return shapes
-
-
 def check_state_keys(
     path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], strict: bool
 ) -> None:
@@ -126,7 +105,7 @@ def check_sharded(
     return metadata, view
 
 
-def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[str, Any]:
+def check_local(path: Path, model: Module, engine: Any, world_size: int, rank: int) -> dict[str, Any]:
     meta = read_local_metadata(path)
     if meta.get("world_size") != world_size:
         raise CheckpointError(
@@ -135,27 +114,15 @@ def check_local(path: Path, model: Module, world_size: int, rank: int) -> dict[s
             f"{world_size}; a local checkpoint only loads at the world size that wrote it. Convert it with "
             f"`lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it at another size",
         )
-    engine = 2 if fsdp2.is_fsdp2(model) else 1
-    if meta.get("engine", 1) != engine:
+    if meta.get("engine", 1) != engine.version:
         raise CheckpointError(
             path,
             f"this local checkpoint was written by the FSDP{meta.get('engine', 1)} engine and this run uses "
-            f"FSDP{engine} (fsdp_version={engine}); a local checkpoint only loads on the engine that wrote it. Convert "
-            f"it with `lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it on the other engine",
+            f"FSDP{engine.version} (fsdp_version={engine.version}); a local checkpoint only loads on the engine that "
+            f"wrote it. Convert it with `lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it on the "
+            "other engine",
         )
-    if engine == 2:
-        saved = [(e["name"], e["shape"]) for e in meta.get("parameters", [])]
-        if saved != [(e["name"], e["shape"]) for e in fsdp2_state.local_layout(model)]:
-            raise CheckpointError(path, "its parameters (names or shapes) differ from this model's")
-        return meta
-    current = flat_param_layout(model)
-    saved_units = [(e["key"], e["fqns"], e["shapes"]) for e in meta.get("flat_params", [])]
-    if saved_units != [(e["key"], e["fqns"], e["shapes"]) for e in current]:
-        raise CheckpointError(
-            path,
-            "its FSDP wrap layout differs from this model's (another model, auto_wrap_policy or use_orig_params); "
-            f"saved units {meta.get('fsdp_units')} vs current {fsdp_units(model)}",
-        )
+    engine.check_local_layout(path, meta, model)
     return meta
 
 
@@ -182,6 +149,7 @@ def check_load(
     path: str | os.PathLike[str],
     model: Module,
     *,
+    engine: Any,
     world_size: int,
     rank: int,
     device_type: str,
@@ -200,20 +168,13 @@ def check_load(
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
     path = Path(path)
     fmt = detect_format(path)
-    engine2 = fsdp2.is_fsdp2(model)
-    if fmt in ("sharded", "local") and engine2:
-        current = fsdp2_state.sharded_template(model) if fmt == "sharded" else model.state_dict()
-    elif fmt == "sharded" and fsdp1_state.supported(model):
-        # views of this rank's own slices (see fast_load), built without collectives; torch's all-gathers
-        current = model_state_dict(model, "sharded", device_type)
-    elif fmt in ("sharded", "local"):
-        with state_dict_context(model, fmt, device_type):
-            current = model.state_dict()
+    if fmt in ("sharded", "local"):
+        current = engine.current_state(model, fmt, device_type)
     if fmt == "full":
         checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
         state, checkpoint = split_model_state(path, checkpoint, raw, hints)
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-        check_state_keys(path, saved, expected_full_shapes(model), strict)
+        check_state_keys(path, saved, engine.expected_full_shapes(model), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
         return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only)
     if fmt == "sharded":
@@ -224,13 +185,13 @@ def check_load(
         return PendingLoad(
             fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only, dcp_reader=reader
         )
-    check_local(path, model, world_size, rank)
+    check_local(path, model, engine, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
     rest = internal_view(rest, path)
     shard = load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
-    missing = [k for k in current if (engine2 or k.endswith(FLAT_PARAM)) and k not in shard["model"]]
+    missing = [k for k in engine.local_shard_keys(current) if k not in shard["model"]]
     if missing:
         raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")
     return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
@@ -279,99 +240,28 @@ def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: boo
     raise CheckpointError(path, "it holds no optimizer state ('optimizer_states', or 'state' and 'param_groups')")
 
 
-def load_full_optimizer(model: Module, optimizer: Optimizer, state: dict[str, Any], device_type: str) -> None:
-    """Load one full optimizer state (as in a full checkpoint) into ``optimizer`` of the sharded ``model``."""
-    if not fsdp2.is_fsdp2(model):
-        _load_full_optimizers(model, [optimizer], [state], device_type)
-    elif not state.get("state"):
-        optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
-    else:
-        fsdp2_state.load_full_optimizer(model, optimizer, state)
-
-
 def apply_load(
     pending: PendingLoad,
     model: Module,
     optimizers: Sequence[Optimizer],
     *,
+    engine: Any,
     device_type: str,
     strict: bool,
     load_optimizers: bool,
 ) -> dict[str, Any]:
-    """Load the checked state into ``model`` (and ``optimizers``); returns the remaining trainer state."""
-    path, rest = pending.path, pending.rest
+    """Load the checked state into ``model`` (and ``optimizers``) with ``engine``; returns the remaining trainer
+    state."""
+    rest = pending.rest
     pending.optimizer_groups = rest.pop(OPTIMIZER_GROUPS_KEY, [])  # ours, not Lightning's: never handed back
     rest.pop(WORLD_SIZE_KEY, None)  # likewise (shown by `inspect`)
-    if fsdp2.is_fsdp2(model):
-        _apply_fsdp2_load(pending, model, optimizers, strict, load_optimizers, device_type)
-    elif pending.fmt == "full":
-        with state_dict_context(model, "full", device_type, rank0_only=False):
-            model.load_state_dict(pending.model_state, strict=strict)
-        if load_optimizers and pending.optimizer_states is not None:
-            _check_optimizer_count(path, pending.optimizer_states, optimizers)
-            _load_full_optimizers(model, optimizers, pending.optimizer_states, device_type)
-    elif pending.fmt == "sharded":
-        _load_sharded(pending, model, optimizers, device_type, strict, load_optimizers)
-    else:
-        _load_local(pending, model, device_type)
-        if load_optimizers and pending.optimizer_states is not None:
-            _check_optimizer_count(path, pending.optimizer_states, optimizers)
-            for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
-                optimizer.load_state_dict(state)
+    engine.apply_load(
+        pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
+    )
     return rest
 
 
-def _apply_fsdp2_load(
-    pending: PendingLoad,
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    strict: bool,
-    load_optimizers: bool,
-    device_type: str,
-) -> None:
-    path = pending.path
-    if pending.fmt == "sharded" and _load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
-        return
-    if pending.fmt == "full":
-        fsdp2_state.load_full(model, pending.model_state, strict)
-    elif pending.fmt == "sharded":
-        import torch.distributed.checkpoint as dcp
-
-        key = dcp_model_key(pending.rest)
-        state = {key: pending.model_state}
-        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        fsdp2_state.load_sharded(model, state[key], strict)
-    else:
-        fsdp2_state.load_local(model, pending.model_state)
-    if not load_optimizers:
-        return
-    if pending.fmt == "sharded":
-        _load_sharded_fsdp2_optimizers(pending, model, optimizers)
-        return
-    if pending.optimizer_states is None:
-        return
-    _check_optimizer_count(path, pending.optimizer_states, optimizers)
-    for optimizer, state in zip(optimizers, pending.optimizer_states, strict=True):
-        if pending.fmt == "full":
-            load_full_optimizer(model, optimizer, state, device_type)
-        elif not state.get("state"):
-            optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
-        else:
-            fsdp2_state.load_local_optimizer(model, optimizer, state)
-
-
-def _load_sharded_fsdp2_optimizers(pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer]) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    def load_one(key: str, optimizer: Optimizer) -> None:
-        state = {key: fsdp2_state.sharded_template(model, optimizer)}
-        dcp.load(state, storage_reader=storage_reader(pending.path, weights_only=pending.weights_only))
-        fsdp2_state.load_sharded_optimizer(model, optimizer, state[key])
-
-    _for_each_sharded_optimizer(pending, optimizers, load_one)
-
-
-def _for_each_sharded_optimizer(
+def for_each_sharded_optimizer(
     pending: PendingLoad, optimizers: Sequence[Optimizer], load_one: Callable[[str, Optimizer], None]
 ) -> None:
     """Call ``load_one(key, optimizer)`` for each optimizer whose per-parameter state the sharded checkpoint holds;
@@ -388,86 +278,17 @@ def _for_each_sharded_optimizer(
             raise CheckpointError(path, f"it holds no state for optimizer {idx}")
         if not any(k.startswith(f"{key}.state.") for k in keys):
             if idx < len(groups):
-                optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, groups[idx])})
+                optimizer.load_state_dict({"state": {}, "param_groups": merge_groups(optimizer, groups[idx])})
             continue
         load_one(key, optimizer)
 
 
-def _check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:
+def check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:
     if len(states) != len(optimizers):
         raise CheckpointError(path, f"it holds {len(states)} optimizer state(s); this run has {len(optimizers)}")
 
 
-def _load_full_optimizers(
-    model: Module, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]], device_type: str
-) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import OptimStateKeyType
-
-    for optimizer, state in zip(optimizers, states, strict=True):
-        if not state.get("state"):
-            # Nothing to shard (e.g. SGD without momentum): the hyper-parameters are all there is.
-            optimizer.load_state_dict({"state": {}, "param_groups": _merge_groups(optimizer, state)})
-            continue
-        if isinstance(next(iter(state["state"])), int):
-            state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, model)
-        with state_dict_context(model, "full", device_type, rank0_only=False):
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
-
-
-def _merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    current = optimizer.state_dict()["param_groups"]
-    return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
-
-
-def _load_sharded(
-    pending: PendingLoad,
-    model: Module,
-    optimizers: Sequence[Optimizer],
-    device_type: str,
-    strict: bool,
-    load_optimizers: bool,
-) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    path = pending.path
-    if _load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
-        return
-    if fsdp1_state.supported(model):  # the template check_load built is the package's: torch's path needs its own
-        with state_dict_context(model, "sharded", device_type):
-            pending.model_state = model.state_dict()
-    with state_dict_context(model, "sharded", device_type):
-        model_key = dcp_model_key(pending.rest)
-        state = {model_key: pending.model_state}
-        dcp.load(state, storage_reader=storage_reader(path, weights_only=pending.weights_only))
-        model.load_state_dict(state[model_key], strict=strict)
-        if not load_optimizers:
-            return
-        reader = storage_reader(path, weights_only=pending.weights_only)
-
-        def load_one(key: str, optimizer: Optimizer) -> None:
-            loaded = load_sharded_optimizer_state_dict(state[model_key], key, reader)[key]
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, loaded))
-
-        _for_each_sharded_optimizer(pending, optimizers, load_one)
-
-
-def _load_local(pending: PendingLoad, model: Module, device_type: str) -> None:
-    with state_dict_context(model, "local", device_type), torch.no_grad():
-        current = model.state_dict()
-        for key, value in pending.model_state.items():
-            if key.endswith(FLAT_PARAM):
-                local_shards = current[key].local_shards()
-                if local_shards:
-                    local_shards[0].tensor.copy_(value)
-            else:
-                current[key] = value
-        model.load_state_dict(current, strict=False)
-
-
-def _load_sharded_fast(
+def load_sharded_fast(
     pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
 ) -> bool:
     """Load a sharded checkpoint with one read straight into this rank's shards (see :mod:`.fast_load`); ``False``

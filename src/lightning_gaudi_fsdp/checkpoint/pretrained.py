@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
 from lightning_gaudi_fsdp.checkpoint import hf_names
 from lightning_gaudi_fsdp.checkpoint.pretrained_source import PretrainedWeightsError, Source, Weights, resolve
 
@@ -37,6 +39,7 @@ __all__ = [
     "Weights",
     "empty_init",
     "load",
+    "load_dtensors",
     "parameters_on_meta",
     "plan",
     "resolve",
@@ -72,17 +75,11 @@ class Plan:
     seed: int = 0  # adapters' random draws (torch's seed; the strategy sets rank 0's on every rank)
 
 
-def _clean(name: str) -> str:
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    return clean_tensor_name(name)
-
-
 def plan(model: Module, weights: Weights, *, weights_only: bool = True) -> Plan:
     """Match every parameter of the (unwrapped) ``model`` to a file key; raise :class:`PretrainedWeightsError` with
     what does not fit, before any weight is read."""
     source = Source(weights, weights_only=weights_only)
-    named = [(_clean(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
+    named = [(clean_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
     canonical: dict[int, str] = {}
     aliases: set[str] = set()
     for name, param in named:
@@ -230,7 +227,7 @@ def parameters_on_meta() -> Generator[None, None, None]:
         if param is not None and param.device.type != "meta":
             kwargs = dict(vars(param))
             kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+            torch_internals.replace_parameter(module, name, type(param)(param.to("meta"), **kwargs))
 
     Module.register_parameter = register  # type: ignore[method-assign]
     try:
@@ -244,26 +241,12 @@ def empty_init(device: torch.device) -> Callable[[Module], None]:
     tensors already materialised (buffers computed at construction) are kept."""
 
     def init(module: Module) -> None:
-        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
+        torch_internals.apply_to_own_tensors(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
     return init
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-@torch.no_grad()
-def load(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
-    """Copy the rank's part of every planned parameter into the sharded ``model`` (FSDP1 or FSDP2). Parameters no
-    FSDP unit manages (``ignored_modules``/``ignored_states``) are loaded whole; FSDP1 leaves them on the meta device,
-    so they get memory on ``device`` first. Returns the number of elements written."""
-    from lightning_gaudi_fsdp.engine import fsdp2
-
-    materialize = empty_init(torch.device(device))
-    for module in model.modules():
-        if any(p.is_meta for p in module.parameters(recurse=False)):
-            materialize(module)
-    return _load_fsdp2(model, prepared) if fsdp2.is_fsdp2(model) else _load_fsdp1(model, prepared)
-
-
 def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Callable[[int, int], torch.Tensor]:
     if entry.key is not None:
         key = entry.key
@@ -272,38 +255,48 @@ def _reader(prepared: Plan, name: str, entry: Entry, dtype: torch.dtype) -> Call
     return lambda start, stop: full if full.dim() == 0 else full[start:stop]
 
 
-def _load_fsdp1(model: Module, prepared: Plan) -> int:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _materialize_meta(model: Module, device: torch.device | str) -> None:
+    """Parameters no FSDP unit manages (``ignored_modules``/``ignored_states``) are loaded whole; FSDP1 leaves them
+    on the meta device, so they get memory on ``device`` first."""
+    materialize = empty_init(torch.device(device))
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            materialize(module)
 
+
+@torch.no_grad()
+def load(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
+    """Copy the rank's part of every planned parameter into ``model``, unsharded or sharded by FSDP1 (its flat
+    parameters' slices); parameters no unit manages get memory on ``device`` first. Returns the number of elements
+    written."""
+    _materialize_meta(model, device)
     written = 0
     seen: set[str] = set()
-    for unit_name, unit in model.named_modules():
-        if not isinstance(unit, FSDP) or unit._handle is None:
-            continue
-        flat = unit._handle.flat_param
-        prefix = _clean(unit_name)
-        local = flat.data
-        for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos, strict=True):
-            name = f"{prefix}.{fqn}" if prefix else fqn
+    for unit in fsdp1_internals.units(model):
+        local = unit.flat_param.data
+        for fqn, shape, info in zip(unit.fqns, unit.shapes, unit.shard_infos, strict=True):
+            name = join_name(unit.name, fqn)
             seen.add(name)
             if not info.in_shard:
                 continue
             entry = prepared.entries[name]
-            start, stop = info.intra_param_start_idx, info.intra_param_end_idx + 1
-            values = _flat_range(_reader(prepared, name, entry, local.dtype), tuple(shape), start, stop)
+            values = _flat_range(_reader(prepared, name, entry, local.dtype), shape, info.start, info.stop)
             local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(values)
-            written += stop - start
+            written += info.stop - info.start
     written += _load_unmanaged(model, prepared, seen)
     return written
 
 
-def _load_fsdp2(model: Module, prepared: Plan) -> int:
+@torch.no_grad()
+def load_dtensors(model: Module, prepared: Plan, device: torch.device | str = "cpu") -> int:
+    """:func:`load` for a model sharded by FSDP2 (each parameter's dim-0 chunk of this rank)."""
+    _materialize_meta(model, device)
     from torch.distributed.tensor import DTensor
 
     written = 0
     seen: set[str] = set()
     for raw, param in model.named_parameters():
-        name = _clean(raw)
+        name = clean_name(raw)
         if not isinstance(param, DTensor) or name not in prepared.entries:
             continue
         seen.add(name)
@@ -311,21 +304,12 @@ def _load_fsdp2(model: Module, prepared: Plan) -> int:
         local = param.to_local()
         if local.numel() == 0:
             continue
-        start = _dim0_offset(param)
+        start = torch_internals.dim0_offset(param)
         read = _reader(prepared, name, entry, local.dtype)
         local.copy_(read(start, start + local.shape[0]) if local.dim() else read(0, 1))
         written += local.numel()
     written += _load_unmanaged(model, prepared, seen)
     return written
-
-
-def _dim0_offset(param: Any) -> int:
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # pragma: no cover - torch < 2.5 kept it under torch.distributed._tensor
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return int(offset[0]) if offset else 0
 
 
 def _load_unmanaged(model: Module, prepared: Plan, seen: set[str]) -> int:
@@ -334,7 +318,7 @@ def _load_unmanaged(model: Module, prepared: Plan, seen: set[str]) -> int:
 
     written = 0
     for raw, param in model.named_parameters():
-        name = _clean(raw)
+        name = clean_name(raw)
         if name in seen or name not in prepared.entries:
             continue
         if isinstance(param, DTensor):

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.adapters.torch_internals import version_counter
+
 _Path = tuple[Any, ...]
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 # allocate(shape, dtype): an empty host tensor for a staging buffer
@@ -52,7 +55,7 @@ class DeferredCopies:
 
     def __init__(self, watch: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.copies: list[tuple[_Path, torch.Tensor, torch.Tensor, int]] = []
-        self.watched = [(name, tensor, tensor._version) for name, tensor in watch if not tensor.is_inference()]
+        self.watched = [(name, tensor, version_counter(tensor)) for name, tensor in watch if not tensor.is_inference()]
 
     @property
     def nbytes(self) -> int:
@@ -66,8 +69,8 @@ class DeferredCopies:
         with torch.no_grad():
             for _, buffer, source, _ in self.copies:
                 buffer.copy_(source)
-        changed = [_entry(path) for path, _, source, version in self.copies if source._version != version]
-        changed += [name for name, tensor, version in self.watched if tensor._version != version]
+        changed = [_entry(path) for path, _, source, version in self.copies if version_counter(source) != version]
+        changed += [name for name, tensor, version in self.watched if version_counter(tensor) != version]
         if changed:
             changed = list(dict.fromkeys(changed))
             names = ", ".join(repr(name) for name in changed[:3])
@@ -151,10 +154,9 @@ class HostStager:
         return copy.deepcopy(value)
 
     def _tensor(self, value: torch.Tensor, path: _Path, used: dict[_Path, torch.Tensor]) -> torch.Tensor:
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed.tensor import DTensor
 
-        if isinstance(value, ShardedTensor):
+        if torch_internals.is_sharded_tensor(value):
             # The shards are copied straight from their device; the placements then name the host. Metadata that
             # already does (a CPU run) is shared with the original rather than deep-copied: nothing changes it.
             metadata = value.metadata()
@@ -165,21 +167,20 @@ class HostStager:
                 metadata.tensor_properties.requires_grad = False
                 for shard_metadata in metadata.shards_metadata:
                     _place_on_host(shard_metadata)
-            shards = []
+            tensors, shards_metadata = [], []
             for i, shard in enumerate(value.local_shards()):
                 shard_metadata = shard.metadata
                 if not _on_host([shard_metadata]):
                     shard_metadata = copy.deepcopy(shard_metadata)
                     _place_on_host(shard_metadata)
-                shards.append(Shard(self._buffer(shard.tensor, (*path, "shard", i), used), shard_metadata))
-            return ShardedTensor._init_from_local_shards_and_global_metadata(
-                shards, metadata, process_group=value._process_group
-            )
+                tensors.append(self._buffer(shard.tensor, (*path, "shard", i), used))
+                shards_metadata.append(shard_metadata)
+            return torch_internals.sharded_tensor_like(value, tensors, metadata, shards_metadata)
         if isinstance(value, DTensor):
             # DTensor's private constructor, as torch's own staging (_create_cpu_state_dict) does: from_local would
             # move the host copy back onto the mesh's device.
-            local = self._buffer(value._local_tensor, (*path, "local"), used)
-            return DTensor(local, value._spec, requires_grad=False)
+            local = self._buffer(torch_internals.dtensor_local(value), (*path, "local"), used)
+            return torch_internals.dtensor_with_local(value, local)
         return self._buffer(value, path, used)
 
     def _buffer(self, tensor: torch.Tensor, path: _Path, used: dict[_Path, torch.Tensor]) -> torch.Tensor:
@@ -191,7 +192,7 @@ class HostStager:
             else:
                 buffer = self._allocate(source.shape, source.dtype)
         if self._later is not None and self._defer is not None and _deferrable(source, self._defer):
-            self._later.copies.append((path, buffer, source, source._version))
+            self._later.copies.append((path, buffer, source, version_counter(source)))
         else:
             buffer.copy_(source)
         used[path] = buffer
@@ -219,8 +220,6 @@ def _on_host(shards_metadata: list[Any]) -> bool:
 
 
 def _place_on_host(shard_metadata: Any) -> None:
-    from torch.distributed.remote_device import _remote_device
-
     placement = shard_metadata.placement
     if placement is not None and placement.device().type != "cpu":
-        shard_metadata.placement = _remote_device(f"rank:{placement.rank()}/cpu")
+        shard_metadata.placement = torch_internals.host_placement(placement.rank())

@@ -6,7 +6,7 @@ records which rank sends which piece of it under which tag; the other ranks reco
 their live shards). The checkpoint dict is then written by :meth:`FullStream.write` on rank 0, while every other rank
 runs :meth:`FullStream.send` (posting its sends and waiting for them) in the same write step of the save protocol.
 
-:meth:`FullStream.write` is ``torch.save`` itself (``torch.serialization._save`` in ``_open_zipfile_writer``, with
+:meth:`FullStream.write` is ``torch.save`` itself (torch's private writer, see :mod:`..adapters.torch_internals`, with
 torch.save's default pickle module and protocol and its byte-order record), given a zip writer that passes every record
 through except a placeholder's storage: that one is received into one of two reused host buffers (rank 0's own pieces
 are copied in) and the buffer is written in its place. While one buffer is written, the next placeholder's pieces are
@@ -27,33 +27,22 @@ contributes) and runs :meth:`FullStream.with_pieces` of those copies in its thre
 
 from __future__ import annotations
 
-import inspect
 import logging
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint.storage import ByteCounter
 
 log = logging.getLogger(__name__)
 
-_SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
-
 
 def available() -> bool:
-    """Whether ``torch.serialization._save`` and ``_open_zipfile_writer`` exist with the signature the stream was
-    checked with (torch 2.6, 2.9, 2.13)."""
-    serialization = torch.serialization
-    save = getattr(serialization, "_save", None)
-    if save is None or not callable(getattr(serialization, "_open_zipfile_writer", None)):
-        return False
-    try:
-        return tuple(inspect.signature(save).parameters) == _SAVE_PARAMETERS
-    except (TypeError, ValueError):
-        return False
+    """Whether this torch has the private writer the stream uses, with the signature it was checked with."""
+    return torch_internals.streaming_writer_available()
 
 
 @dataclass
@@ -151,34 +140,15 @@ class FullStream:
         Every planned piece is received before this returns or raises."""
         receiver = _Receiver(self._records, self.group)
         try:
-            order = _storage_order(obj)
-            with open(file, "wb") as handle, torch.serialization._open_zipfile_writer(handle) as writer:
-                torch.serialization._save(
-                    obj, _Writer(writer, receiver, order), pickle, torch.serialization.DEFAULT_PROTOCOL, False
-                )
+            order = torch_internals.storage_order(obj, ByteCounter())
+            with open(file, "wb") as handle:
+                torch_internals.save_through(obj, handle, lambda writer: _Writer(writer, receiver, order))
         finally:
             receiver.drain()
         log.debug(
             f"streamed {len(self._records)} gathered tensors into {str(file)!r} through "
             f"{receiver.buffers} receive buffers of {receiver.capacity} bytes"
         )
-
-
-def _storage_order(obj: Any) -> list[int]:
-    """The address of each storage in ``obj`` in the order ``torch.save``'s pickler meets them (its record keys
-    ``0, 1, ...``): a pickling pass without the data."""
-    seen: dict[int, int] = {}
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, value: Any) -> Any:
-            if isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value):
-                storage = value._untyped_storage if isinstance(value, torch.storage.TypedStorage) else value
-                seen.setdefault(storage._cdata, storage.data_ptr())
-                return len(seen)
-            return None
-
-    _Pickler(ByteCounter(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
-    return list(seen.values())
 
 
 class _Writer:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     CheckpointError,
@@ -23,7 +24,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_shard_name,
     read_local_metadata,
 )
-from lightning_gaudi_fsdp.checkpoint.layout import _join, unflatten
+from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
 from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key, internal_view
 
@@ -83,13 +84,11 @@ class TensorSource:
         return self._shards[0]["model"][name]  # buffers: whole on every rank
 
     def _read_fsdp1_local(self, names: list[str]) -> dict[str, torch.Tensor]:
-        from lightning_gaudi_fsdp.checkpoint.convert import _join_rank_slices
-
         out: dict[str, torch.Tensor] = {}
         for entry in self._layout:
             wanted = [n for n in names if self._owner.get(n) == entry["key"]]
             if wanted:
-                whole = unflatten(_join_rank_slices(s["model"][entry["key"]] for s in self._shards), entry)
+                whole = unflatten(join_rank_slices(s["model"][entry["key"]] for s in self._shards), entry)
                 out.update((n, whole[n]) for n in wanted)
         out.update((n, self._shards[0]["model"][n]) for n in names if n not in self._owner)
         return {n: out[n] for n in names}
@@ -140,9 +139,9 @@ def _open_local(path: Path, weights_only: bool) -> TensorSource:
         entries = {e["name"]: (torch.Size(e["shape"]), getattr(torch, e["dtype"])) for e in layout}
     else:
         ranks = int(meta["world_size"])
-        managed = {_join(e["prefix"], f): e["key"] for e in meta["flat_params"] for f in e["fqns"]}
+        managed = {join_name(e["prefix"], f): e["key"] for e in meta["flat_params"] for f in e["fqns"]}
         entries = {
-            _join(e["prefix"], f): (torch.Size(s), getattr(torch, e["dtype"]))
+            join_name(e["prefix"], f): (torch.Size(s), getattr(torch, e["dtype"]))
             for e in meta["flat_params"]
             for f, s in zip(e["fqns"], e["shapes"], strict=True)
         }

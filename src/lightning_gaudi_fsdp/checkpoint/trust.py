@@ -35,6 +35,7 @@ from typing import IO, Any, NamedTuple
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError
 
 TRUST_HINT = (
@@ -193,15 +194,12 @@ def _metadata_global(module: str, name: str) -> Any:
         found = getattr(metadata, name, None)
         is_record = isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
         return found if is_record else None
-    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-        return _StorageInfo
     if module == "torch":
         found = getattr(torch, name, None)
         return found if found is torch.Size or isinstance(found, torch.dtype | torch.memory_format) else None
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        return torch.serialization._get_layout
+    private = torch_internals.private_safe_global(module, name)
+    if private is not None:
+        return private
     full_name = f"{module}.{name}"
     for entry in (*_path_globals(), *torch.serialization.get_safe_globals()):  # the user's allowlist counts too
         found, entry_name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
@@ -257,12 +255,11 @@ def read_distributed(
     :func:`storage_reader` (``reader``: one kept from an earlier read of the same checkpoint, its metadata already
     read). A refusal or damage surfaces as :class:`CheckpointError`, not wrapped by torch."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     reader = reader if reader is not None else storage_reader(path, weights_only=weights_only)
     reader.read_metadata()  # a refusal of the metadata raised here, not folded into torch's fallbacks
     try:
-        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        torch_internals.dcp_load_no_dist(state, reader, planner)
     except CheckpointException as err:
         for failure in err.failures.values():
             cause = failure[0] if isinstance(failure, tuple) else failure
@@ -274,12 +271,11 @@ def read_distributed(
 def check_distributed_entries(path: Path, metadata: Any, reader: Any = None) -> None:
     """Unpickle every non-tensor entry of a distributed checkpoint (optimizer hyper-parameters, a few bytes each)
     with ``weights_only=True``, so that a refusal comes before any weight changes."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
     if keys:
-        read_distributed(path, {}, _EmptyStateDictLoadPlanner(keys=keys), reader=reader)
+        read_distributed(path, {}, torch_internals.empty_load_planner(keys), reader=reader)
 
 
 # ------------------------------------------------------------------------------------- one tensor of a DCP file

@@ -32,6 +32,10 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
+from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces
+
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
@@ -95,94 +99,59 @@ def supported(model: Module) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     for module in model.modules():
-        if not isinstance(module, _fsdp_class()):
+        if not isinstance(module, fsdp1_internals.fsdp_class()):
             continue
         if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
             return False
-        if getattr(module, "_device_mesh", None) is not None or module.world_size != dist.get_world_size():
+        if fsdp1_internals.device_mesh(module) is not None or module.world_size != dist.get_world_size():
             return False
-        handle = module._handle
-        if handle is not None and any(len(s) == 0 or math.prod(s) == 0 for s in handle.flat_param._shapes):
+        unit = fsdp1_internals.view(module)
+        if unit is not None and any(len(s) == 0 or math.prod(s) == 0 for s in unit.shapes):
             return False
     # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
-    covered = {id(p) for p in getattr(model, "_ignored_params", ())}
+    covered = {id(p) for p in fsdp1_internals.ignored_parameters(model)}
     for unit in _units(model):
         covered.add(id(unit.flat_param))
         covered.update(id(p) for p in unit.orig_params)
     return all(id(p) in covered for p in model.parameters())
 
 
-def _fsdp_class() -> type:
-    # From its own module: a subclass put in place of the package's name (as tests of Lightning's stock strategy do)
-    # does not hide the units that FSDP's auto-wrapping builds from the original class.
-    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 def flat_params(model: Module) -> list[torch.Tensor]:
     """Each FSDP1 unit's flat parameter in ``model``, once each, in module order (none for an FSDP2 model)."""
-    found = {
-        id(m._handle.flat_param): m._handle.flat_param
-        for m in model.modules()
-        if isinstance(m, _fsdp_class()) and m._handle is not None
-    }
+    found = {id(unit.flat_param): unit.flat_param for unit in fsdp1_internals.units(model)}
     return list(found.values())
 
 
 def _units(model: Module) -> Iterator[_Unit]:
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean, _join
-
-    for name, module in model.named_modules():
-        if not isinstance(module, _fsdp_class()) or module._handle is None:
-            continue
-        flat = module._handle.flat_param
-        world_size, rank = module.world_size, module.rank
-        local = flat._local_shard if hasattr(flat, "_local_shard") else flat.data
-        numels = list(getattr(flat, "_numels_with_padding", None) or flat._numels)
-        padding = list(getattr(flat, "_is_padding_mask", None) or [False] * len(numels))
-        total = flat._unpadded_unsharded_size.numel()
-        chunk = math.ceil(total / world_size)  # FSDP cuts the flat parameter as torch.chunk does
-        ranges = [(min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size)]
+    for view in fsdp1_internals.units(model):
+        spans_of_ranks = chunk_spans(view.unpadded_numel, view.world_size)  # FSDP cuts the flat parameter so
+        own_range = spans_of_ranks[view.rank]
         params: list[_Param] = []
         start = 0
-        originals = iter(zip(flat._fqns, flat._shapes, flat._shard_param_infos, strict=True))
-        for numel, is_padding in zip(numels, padding, strict=True):
+        originals = iter(zip(view.fqns, view.shapes, view.shard_infos, strict=True))
+        for numel, is_padding in zip(view.numels_with_padding, view.is_padding_mask, strict=True):
             end = start + numel
             if not is_padding:
                 fqn, shape, info = next(originals)
-                spans = tuple((max(a, start) - start, max(a, start, min(b, end)) - start) for a, b in ranges)
-                boxes = tuple(row_major_boxes(tuple(shape), lo, hi) for lo, hi in spans)
-                own_start = max(ranges[rank][0], start) - ranges[rank][0]
-                own_numel = max(0, min(ranges[rank][1], end) - max(ranges[rank][0], start))
-                if own_numel != (info.numel_in_shard or 0) or (own_numel and own_start != info.offset_in_shard):
+                spans = tuple((max(a, start) - start, max(a, start, min(b, end)) - start) for a, b in spans_of_ranks)
+                boxes = tuple(row_major_boxes(shape, lo, hi) for lo, hi in spans)
+                own_start = max(own_range[0], start) - own_range[0]
+                own_numel = max(0, min(own_range[1], end) - max(own_range[0], start))
+                if own_numel != info.numel_in_shard or (own_numel and own_start != info.offset_in_shard):
                     raise RuntimeError(f"{fqn}: FSDP's shard of this parameter is not where the flat layout puts it")
-                params.append(_Param(_join(_clean(name), fqn), tuple(shape), boxes, spans, own_start, own_numel))
+                params.append(_Param(join_name(view.name, fqn), shape, boxes, spans, own_start, own_numel))
             start = end
-        yield _Unit(flat, local.detach(), tuple(params), tuple(getattr(flat, "_params", None) or ()))
+        yield _Unit(view.flat_param, view.local_shard.detach(), tuple(params), view.orig_params)
 
 
 def _sharded_tensor(param: _Param, flat_slice: torch.Tensor) -> Any:
     """The parameter-shaped ``ShardedTensor`` whose local shards are views of ``flat_slice`` (this rank's elements of
     the parameter, in flat order)."""
     import torch.distributed as dist
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    device = str(flat_slice.device)
-    rank = dist.get_rank()
-    metadata = {
-        (r, box): ShardMetadata(
-            shard_offsets=list(box.offsets), shard_sizes=list(box.sizes), placement=f"rank:{r}/{device}"
-        )
-        for r, boxes in enumerate(param.boxes)
-        for box in boxes
-    }
-    local = [Shard(piece, metadata[(rank, box)]) for box, piece in local_pieces(param, flat_slice, rank)]
-    properties = TensorProperties(dtype=flat_slice.dtype, requires_grad=False)
-    global_metadata = ShardedTensorMetadata(list(metadata.values()), torch.Size(param.shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
+    local = [piece for _, piece in local_pieces(param, flat_slice, dist.get_rank())]
+    boxes = [(r, box.offsets, box.sizes) for r, rank_boxes in enumerate(param.boxes) for box in rank_boxes]
+    return torch_internals.sharded_tensor(param.shape, flat_slice.dtype, str(flat_slice.device), boxes, local)
 
 
 def local_pieces(param: _Param, flat_slice: torch.Tensor, rank: int) -> list[tuple[Box, torch.Tensor]]:
@@ -211,7 +180,7 @@ def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
 def _buffers_in_their_dtype(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
     """``rest`` with each buffer in the dtype it had before FSDP's mixed precision cast it (``buffer_dtype``), as
     torch's state dicts hold them."""
-    dtypes = getattr(model, "_buffer_name_to_orig_dtype", None) or {}
+    dtypes = fsdp1_internals.buffer_dtypes(model)
     return {
         key: value.to(dtypes[key])
         if isinstance(value, torch.Tensor) and dtypes.get(key, value.dtype) != value.dtype
@@ -224,8 +193,6 @@ def optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] 
     """The sharded optimizer state dict, keyed by parameter name as ``FSDP.optim_state_dict`` keys it; ``None`` when
     the optimizer holds state this module cannot place (a tensor that is neither a scalar nor shaped like the
     parameter's shard): the caller then asks torch."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
     names: dict[int, list[str]] = {}  # id(parameter the optimizer sees) -> the original names it stands for
     state: dict[str, Any] = {}
     for unit in _units(model):
@@ -249,9 +216,9 @@ def optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] 
                 state[param.fqn] = placed
     for name, param in model.named_parameters():
         if id(param) not in names:  # not managed by FSDP (ignored): its state is the whole tensor on every rank
-            names[id(param)] = [_clean(name)]
+            names[id(param)] = [clean_name(name)]
             if param in optimizer.state:
-                state[_clean(name)] = dict(optimizer.state[param])
+                state[clean_name(name)] = dict(optimizer.state[param])
     groups = []
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -308,12 +275,10 @@ def full_model_state_dict(model: Module, rest: dict[str, Any], stream: FullStrea
 def _in_module_order(model: Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` in the order ``Module.state_dict`` lists entries (a module's own parameters, then its buffers, then
     its children's), as torch's full state dict has them."""
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
     position: dict[str, int] = {}
     for name, _ in model.named_modules():
-        position.setdefault(_clean(name), len(position))
-    buffers = {_clean(name) for name, _ in model.named_buffers()}
+        position.setdefault(clean_name(name), len(position))
+    buffers = {clean_name(name) for name, _ in model.named_buffers()}
 
     def order(key: str) -> tuple[int, bool]:
         owner = key.rpartition(".")[0]
@@ -330,8 +295,6 @@ def full_optimizer_state_dict(
     every rank (the caller then asks torch) unless every unit keeps its original parameters and the ranks holding
     each parameter all hold its state, each tensor of it shaped like their piece."""
     import torch.distributed as dist
-
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
 
     units = list(_units(model))
     ok = all(unit.orig_params for unit in units)
@@ -372,7 +335,7 @@ def full_optimizer_state_dict(
     if dist.get_rank() != 0:
         return {}
     ids = {id(p): i for i, p in enumerate(model.parameters())}
-    index = {_clean(name): ids[id(p)] for name, p in model.named_parameters()}
+    index = {clean_name(name): ids[id(p)] for name, p in model.named_parameters()}
     state = {index[fqn]: dict(keys) for fqn, keys in merged.items()}
     for (fqn, key), tensor in zip(targets, full, strict=True):
         state[index[fqn]][key] = tensor
@@ -384,37 +347,3 @@ def full_optimizer_state_dict(
         for group in optimizer.param_groups
     ]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def gather_pieces(
-    pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]], stream: FullStream | None = None
-) -> list[Any]:
-    """For each ``(param, this rank's piece, ranks sending pieces, dtype)`` (``param``: its ``shape`` and each rank's
-    ``spans``, elements ``[start, end)`` of the flattened parameter), rank 0 receives every sender's piece
-    straight into one host tensor of the parameter's shape (its own piece is copied in) and returns those tensors;
-    other ranks get ``None`` for each. Every rank passes the same list in the same order, and message ``i`` carries
-    tag ``i``, so no two are confused; all are in flight at once. With ``stream``, only planned: rank 0 gets
-    placeholders, and the pieces travel when the stream writes the checkpoint."""
-    import torch.distributed as dist
-
-    if stream is not None:
-        return [stream.gather(p.shape, p.spans, piece, senders, dtype) for p, piece, senders, dtype in pieces]
-    rank = dist.get_rank()
-    works, out, tag = [], [], 0
-    for param, piece, senders, dtype in pieces:
-        full = torch.empty(param.shape, dtype=dtype) if rank == 0 else None
-        for r in senders:
-            lo, hi = param.spans[r]
-            tag += 1
-            if hi <= lo:
-                continue
-            if rank == 0 and r == 0:
-                full.view(-1)[lo:hi].copy_(piece)
-            elif rank == 0:
-                works.append(dist.irecv(full.view(-1)[lo:hi], src=r, tag=tag))
-            elif r == rank:
-                works.append(dist.isend(piece.contiguous(), dst=0, tag=tag))
-        out.append(full)
-    for work in works:
-        work.wait()
-    return out

@@ -1,7 +1,8 @@
 """The FSDP2 engine: ``torch.distributed.fsdp.fully_shard`` (one DTensor per parameter, no flat parameters).
 
-The functions take resolved values (a mesh, a ``MixedPrecisionPolicy``, the units to shard), torchtitan's
-``apply_fsdp`` style; the strategy decides them from its arguments. The LightningModule itself becomes the FSDP2 root,
+The ``apply_*`` functions take resolved values (a mesh, a ``MixedPrecisionPolicy``, the units to shard), torchtitan's
+``apply_fsdp`` style; :func:`shard` decides them from the door's arguments, and :class:`FSDP2` is the engine object
+the doors hold (see :mod:`.base`). The LightningModule itself becomes the FSDP2 root,
 so its own parameters are gathered when its forward runs, and the strategy runs each step through that forward as it
 does for FSDP1.
 """
@@ -9,19 +10,25 @@ does for FSDP1.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
+from lightning_gaudi_fsdp import _activation_checkpointing as activation
+from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
+from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
+from lightning_gaudi_fsdp.engine.fsdp2_state import is_fsdp2
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
 log = logging.getLogger("lightning_gaudi_fsdp")
-
-
-def is_fsdp2(model: Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def select_units(root: Module, policy: Any, ignored: Iterable[Module] = ()) -> list[Module]:
@@ -30,11 +37,9 @@ def select_units(root: Module, policy: Any, ignored: Iterable[Module] = ()) -> l
     below it, which is what a size-based policy counts."""
     if policy is None:
         return []
-    from torch.distributed.fsdp.wrap import _Policy
-
     skip = set(ignored)
-    if isinstance(policy, _Policy) and not callable(policy):
-        targets = policy._run_policy(root, skip, {})
+    if fsdp1_internals.is_policy(policy) and not callable(policy):
+        targets = fsdp1_internals.policy_targets(policy, root, skip)
         return [m for m in _post_order(root) if m in targets and m is not root]
     chosen: list[Module] = []
     owned: set[int] = set()
@@ -157,3 +162,150 @@ def clip_grad_norm_(model: Module, max_norm: float, norm_type: float = 2.0) -> t
     from torch.distributed.tensor import DTensor
 
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+# --------------------------------------------------------------------------------------------------- the engine
+class FSDP2:
+    version = 2
+    label = "FSDP2 (fully_shard)"
+    held_label = "parameter shards per rank"
+    shards_in_place = True
+
+    def owns(self, model: Module) -> bool:
+        return is_fsdp2(model)
+
+    def shard(self, door: Any, model: Module) -> Module:
+        return shard(door, model)
+
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        return model  # sharded in place before (validate/test/predict after fit, a second setup_module)
+
+    def wrap_context(self, door: Any) -> AbstractContextManager:
+        return nullcontext()  # fully_shard has no wrap() to configure
+
+    def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        return clip_grad_norm_(root, max_norm, norm_type)  # DTensor gradients: the norm spans every rank
+
+    def no_sync(self, module: Module) -> AbstractContextManager:
+        if not is_fsdp2(module):
+            raise _sharding.not_set_up_for_no_sync(module)
+        return _no_sync(module)
+
+    def mixed_precision_row(self, door: Any) -> str:
+        mp = door._config.mp_policy
+        if mp is None:
+            return "fp32 (no FSDP mixed precision)"
+        return f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, output={mp.output_dtype}"
+
+    def fingerprint(self, model: Module) -> dict[str, int]:
+        return unit_names(model)
+
+    def held_elements(self, model: Module) -> int:
+        return held_elements(model)
+
+    def unit_count(self, model: Module) -> int:
+        return len(unit_names(model))
+
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        return pretrained.load_dtensors(model, prepared, device)
+
+    # checkpoints, per format (:mod:`.fsdp2_state`, :mod:`.fsdp2_io`)
+    local_layout = staticmethod(fsdp2_io.local_layout)
+    check_local_layout = staticmethod(fsdp2_io.check_local_layout)
+    current_state = staticmethod(fsdp2_io.current_state)
+    expected_full_shapes = staticmethod(fsdp2_state.expected_full_shapes)
+    apply_load = staticmethod(fsdp2_io.apply_load)
+
+    def model_state_dict(
+        self, model: Module, fmt: str, device_type: str, stream: FullStream | None = None
+    ) -> dict[str, Any]:
+        return fsdp2_state.model_state_dict(model, fmt, stream)
+
+    def optimizer_state_dict(
+        self, model: Module, optimizer: Any, fmt: str, device_type: str, rank: int, stream: FullStream | None = None
+    ) -> dict[str, Any]:
+        return fsdp2_state.optimizer_state_dict(model, optimizer, fmt, rank, stream)
+
+    def local_shard_keys(self, current: dict[str, Any]) -> list[str]:
+        return list(current)
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        fsdp2_io.load_full_optimizer(model, optimizer, state)
+
+
+@contextmanager
+def _no_sync(module: Module) -> Generator[None, None, None]:
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def shard(door: Any, model: Module) -> Module:
+    """Shard ``model`` in place with ``fully_shard`` with the door's resolved arguments; records the root."""
+    prepared = _sharding.plan_pretrained(door, model)
+    ignored = _sharding.resolve_ignored(door, model)
+    if door.kwargs.get("sync_module_states"):
+        _sharding.broadcast_module_states(model)
+    door._cache_off_in_training = activation.apply_activation_checkpointing(
+        model, door._activation_checkpointing_kwargs
+    )
+    units = select_units(model, door.kwargs.get("auto_wrap_policy"), ignored.get("ignored_modules", ()))
+    offload = _sharding.effective_cpu_offload(door)
+    apply_fsdp2(
+        model,
+        units,
+        mesh=mesh(door),
+        reshard_after_forward=door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        mp_policy=door._config.mp_policy,
+        offload_policy=_offload_policy(offload),
+        ignored_params=_ignored_parameters(ignored),
+        root_casts_inputs=not door._config.keep_batch_dtypes,
+    )
+    device = _sharding.fsdp_device(door)
+    init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
+    materialize_meta(model, device, init_fn)
+    _sharding.load_pretrained(door, model, prepared)
+    if door.kwargs.get("forward_prefetch"):
+        set_forward_prefetch(units)
+    if door.process_group_backend == "hccl":
+        force_sum_reductions(model)
+    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
+    door._fsdp_root = model
+    return model
+
+
+def mesh(door: Any) -> Any:
+    """The door's device mesh: the one given, else one built on the root device's type (hybrid sharding: one
+    replica per node, sharded over the node's devices)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    given = door._device_mesh
+    if isinstance(given, DeviceMesh):
+        return given
+    device_type = door.root_device.type
+    if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
+        shape = (door.num_nodes, door.num_processes)
+        door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        door._device_mesh = init_device_mesh(device_type, (door.world_size,))
+    return door._device_mesh
+
+
+def _offload_policy(offload: CPUOffload) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy() if offload.offload_params else None
+
+
+def _ignored_parameters(ignored: Mapping[str, Any]) -> set[Parameter] | None:
+    """FSDP2's ``ignored_params`` from FSDP1's ``ignored_modules``/``ignored_states`` (modules count with every
+    parameter they hold)."""
+    items = [*ignored.get("ignored_modules", ()), *ignored.get("ignored_states", ())]
+    if not items:
+        return None
+    params: set[Parameter] = set()
+    for item in items:
+        params.update(item.parameters() if isinstance(item, Module) else [item])
+    return params

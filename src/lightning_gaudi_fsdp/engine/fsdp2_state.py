@@ -9,7 +9,7 @@ the ones FSDP1 writes: checkpoints cross engines.
 
 torch's ``torch.distributed.checkpoint.state_dict`` does the sharding, and the gathering where the package's own does
 not apply: for ``full``, each rank sends its dim-0 chunk of every parameter and optimizer state straight into a full
-tensor on rank 0 (FSDP1's piece sending, ``fsdp1_state.gather_pieces``), where torch all-gathers every tensor on
+tensor on rank 0 (``pieces.gather_pieces``, shared with FSDP1), where torch all-gathers every tensor on
 every rank.
 """
 
@@ -23,8 +23,18 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
+from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces
+
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+
+def is_fsdp2(model: Module) -> bool:
+    """Whether ``model`` holds modules sharded by ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _options(**kwargs: Any) -> Any:
@@ -35,9 +45,7 @@ def _options(**kwargs: Any) -> Any:
 
 def _named_parameters(model: Module) -> list[tuple[str, Any]]:
     """Parameter names as state dicts spell them (no activation-checkpointing wrapper prefixes)."""
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    return [(clean_tensor_name(name), p) for name, p in model.named_parameters()]
+    return [(clean_name(name), p) for name, p in model.named_parameters()]
 
 
 def parameter_names(model: Module) -> list[str]:
@@ -68,11 +76,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(shape: tuple[int, ...], world_size: int) -> _Layout:
-    rows, row = shape[0], math.prod(shape[1:])
-    chunk = math.ceil(rows / world_size)
-    return _Layout(
-        shape, tuple((min(r * chunk, rows) * row, min((r + 1) * chunk, rows) * row) for r in range(world_size))
-    )
+    return _Layout(shape, chunk_spans(shape[0], world_size, math.prod(shape[1:])))
 
 
 def _gathers_to_rank0(model: Module) -> bool:
@@ -101,8 +105,6 @@ def _full_pieces(values: list[Any], stream: FullStream | None = None) -> list[An
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from lightning_gaudi_fsdp.engine.fsdp1_state import gather_pieces
-
     world_size = dist.get_world_size()
     pieces = []
     for value in values:
@@ -124,14 +126,12 @@ def full_model_state_dict(model: Module, stream: FullStream | None = None) -> di
     cpu_offload=True)`` gives it, without its all-gather of every parameter on every rank."""
     import torch.distributed as dist
 
-    from lightning_gaudi_fsdp.checkpoint.layout import _clean
-
     state = model.state_dict()
     values = _full_pieces([v.detach() if isinstance(v, torch.Tensor) else v for v in state.values()], stream)
     if dist.get_rank() != 0:
         return {}
     return {
-        _clean(key): value.to("cpu") if isinstance(value, torch.Tensor) else value
+        clean_name(key): value.to("cpu") if isinstance(value, torch.Tensor) else value
         for key, value in zip(state, values, strict=True)
     }
 

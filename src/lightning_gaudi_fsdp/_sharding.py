@@ -1,0 +1,136 @@
+"""Sharding a module with either engine, with the door's resolved arguments: FSDP1 wrapping, FSDP2's
+``fully_shard``, pretrained weights into the shards, compile, gradient clipping (the door: see :mod:`._platform`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed
+from torch.distributed.fsdp import CPUOffload
+from torch.nn import Module
+
+from lightning_gaudi_fsdp import _report, gaudi, module_options
+from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
+
+log = logging.getLogger("lightning_gaudi_fsdp")
+
+
+def fsdp_device(door: Any) -> torch.device:
+    device_id = door._config.device_id
+    if device_id is None:
+        return door.root_device
+    if isinstance(device_id, int):
+        return torch.device(door.root_device.type, device_id)
+    return torch.device(device_id)
+
+
+def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    if door.cpu_offload.offload_params and fsdp_device(door).type == "cpu":
+        # FSDP pins offloaded shards, which needs an accelerator; on a CPU run they already live in CPU memory.
+        if warn:
+            rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
+        return CPUOffload(offload_params=False)
+    return door.cpu_offload
+
+
+def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if door._config.ignored_modules is not None:
+        kwargs["ignored_modules"] = module_options.resolve_submodules(
+            module, door._config.ignored_modules, "ignored_modules"
+        )
+    if door._config.ignored_states is not None:
+        kwargs["ignored_states"] = module_options.resolve_submodules(
+            module, door._config.ignored_states, "ignored_states", allow_parameters=True
+        )
+    return kwargs
+
+
+def init_context(door: Any) -> AbstractContextManager:
+    """Around the model's construction (``configure_model``, ``fabric.init_module()``): with ``pretrained_weights``,
+    parameters are created on the meta device (the shards get the file's values after wrapping)."""
+    return pretrained.parameters_on_meta() if door._config.pretrained is not None else nullcontext()
+
+
+def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
+    """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
+    so every rank raises them before any collective); adapters draw from rank 0's seed."""
+    if door._config.pretrained is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        raise ValueError(
+            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
+            "and let auto_wrap_policy choose the FSDP units"
+        )
+    prepared = pretrained.plan(model, door._config.pretrained)
+    prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
+    return prepared
+
+
+def load_pretrained(door: Any, model: Module, prepared: pretrained.Plan | None) -> None:
+    """After wrapping: copy the rank's slices of ``pretrained_weights`` into its shards."""
+    if prepared is None:
+        return
+    written = door._engine.load_pretrained(model, prepared, fsdp_device(door))
+    log.info(
+        "rank %d: %d pretrained elements read from %s into its shards",
+        door.global_rank,
+        written,
+        door._config.pretrained.path,
+    )
+
+
+def keep_batch_dtypes(door: Any, model: Module) -> None:
+    door._fsdp_root = model
+    if door._config.keep_batch_dtypes:
+        # The units below cast their own inputs; the root (the LightningModule) leaves the batch as it is.
+        model.mixed_precision = dataclasses.replace(
+            model.mixed_precision, cast_forward_inputs=False, cast_root_forward_inputs=False
+        )
+
+
+def compile_root(door: Any, model: Module) -> None:
+    """Compile the FSDP root in place (``nn.Module.compile``): the module stays an FSDP instance, so checkpoint
+    contexts keep working, and dynamo traces through FSDP's hooks (it needs ``use_orig_params=True``)."""
+    kwargs = dict(door._config.compile_kwargs)
+    kwargs.setdefault("backend", gaudi.default_compile_backend(door.root_device.type))
+    gaudi.prepare_compile_backend(kwargs["backend"])
+    model.compile(**kwargs)
+    _report.compiled_units([""])
+
+
+def broadcast_module_states(module: Module) -> None:
+    """Copy rank 0's parameters and buffers to every rank (what ``sync_module_states`` does on accelerators)."""
+    states = [t for t in (*module.parameters(), *module.buffers())]
+    if any(t.is_meta for t in states):
+        raise ValueError(
+            "sync_module_states=True on CPU needs a materialised model, but it has meta-device tensors; "
+            "use param_init_fn (or reset_parameters) with the same seed on every rank instead"
+        )
+    if not torch.distributed.is_initialized():
+        return
+    with torch.no_grad():
+        for tensor in states:
+            torch.distributed.broadcast(tensor.data, src=0)
+
+
+def clip_grad_norm(engine: Any, root: Module | None, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip by the norm over every shard on every rank (``clip_grad_norm_`` on one shard sees only its share)."""
+    if root is None:
+        raise RuntimeError("gradient clipping by norm needs the FSDP-wrapped model; the strategy is not set up")
+    return engine.clip_grad_norm(root, max_norm, norm_type)
+
+
+def not_set_up_for_no_sync(module: Module) -> TypeError:
+    return TypeError(
+        f"no_backward_sync needs the model set up by Fabric with GaudiFSDPStrategy, got {type(module).__name__}"
+    )

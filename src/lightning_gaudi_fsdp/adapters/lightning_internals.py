@@ -1,0 +1,84 @@
+"""Lightning internals, read in one place: private helpers the doors reuse, and two facts only Lightning's call stack
+holds (whether a checkpoint being built goes straight to ``Strategy.save_checkpoint``, and the ``weights_only`` given to
+the running ``Trainer.fit``).
+
+The call-stack facts fail safe (no streaming; safe loading) when Lightning moves the code they look for;
+``tests/test_adapters.py`` checks every name used here, so a Lightning release that moves one fails there instead of
+silently switching a feature off.
+
+The doors may still set and read the attributes of the Lightning ``FSDPStrategy`` they subclass (``_precision_plugin``,
+``_backward_sync_control``, ``_timeout``, ``_fsdp_kwargs``...): that is Lightning's own subclassing contract.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _PATH, _Stateful
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.nn import Module
+
+PATH = _PATH  # what Lightning's checkpoint methods accept as a path
+Stateful = _Stateful  # the protocol of objects with state_dict/load_state_dict
+BackwardSyncControl = _BackwardSyncControl  # base of a Fabric strategy's no_backward_sync
+validate_keys_for_strict_loading = _validate_keys_for_strict_loading
+
+
+def move_torchmetrics_to_device(module: Module, device: Any) -> None:
+    """Move the torchmetrics metrics inside ``module`` to ``device``, as Lightning's FSDP strategies do after wrapping
+    (FSDP does not move them: they hold no parameters)."""
+    from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
+
+    _move_torchmetrics_to_device(module, device)
+
+
+def redirect_forward(strategy: Any, module: Module, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module.<method>(*args, **kwargs)`` inside ``module``'s forward, with Lightning's forward redirection (the
+    strategy's, which Lightning's ``FSDPStrategy`` builds)."""
+    return strategy._forward_redirection(module, module, method, *args, **kwargs)
+
+
+def attached_trainer(module: Any) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises when there is none)."""
+    return module._trainer if module is not None else None
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the batch just run is mid gradient accumulation (the optimizer has not stepped after it)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def building_checkpoint_to_save() -> bool:
+    """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
+    hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    dump, save = _CheckpointConnector.dump_checkpoint.__code__, Trainer.save_checkpoint.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not dump:
+        frame = frame.f_back
+    return frame is not None and frame.f_back is not None and frame.f_back.f_code is save
+
+
+def fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
+    """The ``weights_only`` given to the running ``trainer.fit/validate/test/predict``, or None.
+
+    Lightning 2.6 passes it to ``Strategy.load_checkpoint`` only for strategies that restore before setup; for those
+    that restore after it (FSDP among them) ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)``
+    without it, so a user's ``weights_only=False`` would never arrive. It is read from that call's frame instead."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and trainer is not None:
+            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+                value = frame.f_locals.get("weights_only")
+                return value if isinstance(value, bool) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # no reference cycle through this frame

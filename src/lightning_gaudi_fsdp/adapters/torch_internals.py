@@ -1,0 +1,234 @@
+"""torch internals other than FSDP1's flat parameters, read in one place: ``torch.save``'s zip writer (the streaming
+full save), the globals a safe unpickler must allow, distributed-checkpoint (DCP) entry points and planners used
+without a process group, ``ShardedTensor``/``DTensor`` construction, ``nn.Module``'s own state-dict parts, the
+activation-checkpointing wrapper, and two dispatcher/autograd probes.
+
+Each function names the fact it gives; ``tests/test_adapters.py`` checks every private name used here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+# ------------------------------------------------------------------------------------------- torch.save internals
+# torch.serialization._save's parameters, as the streaming writer calls it (checked on torch 2.6, 2.9, 2.13, 2.14).
+SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
+
+
+def streaming_writer_available() -> bool:
+    """Whether ``torch.serialization._save`` and ``_open_zipfile_writer`` exist with the signature the streaming
+    writer was checked with."""
+    serialization = torch.serialization
+    save = getattr(serialization, "_save", None)
+    if save is None or not callable(getattr(serialization, "_open_zipfile_writer", None)):
+        return False
+    try:
+        return tuple(inspect.signature(save).parameters) == SAVE_PARAMETERS
+    except (TypeError, ValueError):
+        return False
+
+
+def save_through(obj: Any, handle: Any, wrap_writer: Callable[[Any], Any]) -> None:
+    """``torch.save(obj, handle)`` with torch.save's default pickle module and protocol and its byte-order record,
+    every record passing through ``wrap_writer(zip_writer)`` (which must forward ``write_record`` and the rest)."""
+    with torch.serialization._open_zipfile_writer(handle) as writer:
+        torch.serialization._save(obj, wrap_writer(writer), pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+
+
+def storage_order(obj: Any, sink: Any) -> list[int]:
+    """The data address of each storage in ``obj`` in the order ``torch.save``'s pickler meets them (its record keys
+    ``0, 1, ...``): a pickling pass into ``sink`` (a writable that may discard), without the data."""
+    seen: dict[int, int] = {}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value):
+                storage = value._untyped_storage if isinstance(value, torch.storage.TypedStorage) else value
+                seen.setdefault(storage._cdata, storage.data_ptr())
+                return len(seen)
+            return None
+
+    _Pickler(sink, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    return list(seen.values())
+
+
+def private_safe_global(module: str, name: str) -> Any:
+    """The private globals a checkpoint written by torch names and a safe unpickler may allow: DCP's
+    ``_StorageInfo`` (its metadata) and ``torch.serialization._get_layout`` (sparse/layout records); else None."""
+    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout
+    return None
+
+
+# -------------------------------------------------------------------------------------------------------- DCP
+def dcp_load_no_dist(state: dict[str, Any], reader: Any, planner: Any) -> None:
+    """Read a distributed checkpoint into ``state`` in this process alone (torch's private ``_load_state_dict``,
+    which ``dcp.load`` calls, with ``no_dist=True`` on every supported torch)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def dcp_save_no_dist(state: dict[str, Any], path: str) -> None:
+    """torch 2.6's ``dcp.save`` has no ``no_dist``; its private entry point, which ``save`` itself calls, has."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def empty_load_planner(keys: set[str] | None = None) -> Any:
+    """DCP's planner that allocates every entry (or only ``keys``) from the checkpoint's metadata: what
+    ``dcp_to_torch_save`` uses to read a checkpoint with no model at hand."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return _EmptyStateDictLoadPlanner() if keys is None else _EmptyStateDictLoadPlanner(keys=keys)
+
+
+# --------------------------------------------------------------------------------------- ShardedTensor, DTensor
+def sharded_tensor(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: str,
+    boxes: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+    local: Sequence[torch.Tensor],
+) -> Any:
+    """A ``ShardedTensor`` of ``shape`` whose shards are ``boxes`` (``(rank, offsets, sizes)``, every rank's) and
+    whose local shards are ``local`` (this rank's boxes' tensors, in the order its boxes appear), without a
+    collective."""
+    import torch.distributed as dist
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    rank = dist.get_rank()
+    metadata = [
+        (r, ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{r}/{device}"))
+        for r, offsets, sizes in boxes
+    ]
+    own = [m for r, m in metadata if r == rank]
+    shards = [Shard(tensor, m) for tensor, m in zip(local, own, strict=True)]
+    properties = TensorProperties(dtype=dtype, requires_grad=False)
+    global_metadata = ShardedTensorMetadata([m for _, m in metadata], torch.Size(shape), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_metadata)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def sharded_tensor_like(
+    value: Any, tensors: Sequence[torch.Tensor], metadata: Any, shard_metadata: Sequence[Any]
+) -> Any:
+    """A ``ShardedTensor`` with ``value``'s process group, global ``metadata``, and local shards ``tensors`` described
+    by ``shard_metadata``."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = [Shard(t, m) for t, m in zip(tensors, shard_metadata, strict=True)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=value._process_group
+    )
+
+
+def host_placement(rank: int) -> Any:
+    """A shard placement on ``rank``'s host memory."""
+    from torch.distributed.remote_device import _remote_device
+
+    return _remote_device(f"rank:{rank}/cpu")
+
+
+def dtensor_local(value: Any) -> torch.Tensor:
+    """A ``DTensor``'s local tensor, without autograd's view (``to_local`` would record one)."""
+    return value._local_tensor
+
+
+def dtensor_with_local(value: Any, local: torch.Tensor) -> Any:
+    """A ``DTensor`` with ``value``'s mesh and placements over ``local``, wherever ``local`` lives (torch's own staging
+    builds it so; ``from_local`` would move a host copy back onto the mesh's device)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, value._spec, requires_grad=False)
+
+
+def dim0_offset(param: Any) -> int:
+    """Where this rank's local part of the ``DTensor`` ``param`` starts on dimension 0."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification count (autograd's version counter)."""
+    return tensor._version
+
+
+# --------------------------------------------------------------------------------------------- nn.Module, autograd
+def state_dict_hook_modules(module: Module) -> list[str | None]:
+    """The defining module of each state-dict (pre-)hook registered on ``module`` itself."""
+    hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
+    return [getattr(getattr(h, "func", h), "__module__", None) for h in hooks]
+
+
+def own_state(module: Module, prefix: str) -> dict[str, Any]:
+    """``module``'s own parameters, persistent buffers and extra state (not its children's), as ``state_dict`` has
+    them, keyed with ``prefix``."""
+    own: dict[str, Any] = {}
+    module._save_to_state_dict(own, prefix, False)
+    return own
+
+
+def replace_parameter(module: Module, name: str, param: Any) -> None:
+    """Put ``param`` in place of ``module``'s registered parameter ``name``, without ``register_parameter``'s hooks and
+    checks (inside a patched ``register_parameter``)."""
+    module._parameters[name] = param
+
+
+def apply_to_own_tensors(module: Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``fn`` applied to ``module``'s own parameters and buffers (not its children's), as ``Module.to`` applies a
+    conversion, keeping the parameter objects."""
+    module._apply(fn, recurse=False)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (e.g. recomputing a checkpointed layer)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def has_hpu_kernel(op: str) -> bool:
+    """Whether FSDP2's custom op ``op`` (``fsdp::all_gather_copy_in``...) has an HPU kernel registered."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp:: ops)
+
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "HPU"))
+
+
+# ------------------------------------------------------------------------------------ activation checkpointing
+CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def apply_checkpoint_wrapper(model: Module, **kwargs: Any) -> None:
+    """torch's ``apply_activation_checkpointing`` with its ``checkpoint_wrapper``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, **kwargs)
+
+
+def is_checkpoint_wrapper(module: Module) -> bool:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)

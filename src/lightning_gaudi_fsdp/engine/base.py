@@ -1,0 +1,99 @@
+"""The engine object: FSDP1 (``FullyShardedDataParallel``) or FSDP2 (``fully_shard``) behind one small protocol,
+chosen once from the resolved ``fsdp_version`` (:func:`select`) and held by the door (``door._engine``). The doors,
+the report and the checkpoint code ask it; nothing else decides which engine a model uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch.nn import Module
+
+from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
+from lightning_gaudi_fsdp.engine.fsdp2 import FSDP2
+from lightning_gaudi_fsdp.engine.fsdp2_state import is_fsdp2
+
+
+class Engine(Protocol):
+    version: int  # the fsdp_version, as checkpoints record it
+    label: str  # the start table's "engine" row
+    held_label: str  # what a rank holds: flat parameters (FSDP1) or parameter shards (FSDP2)
+    shards_in_place: bool  # FSDP2 shards the LightningModule itself; FSDP1 wraps it in a new root module
+
+    def owns(self, model: Module) -> bool:
+        """Whether ``model`` already holds units of this engine (set up before, or wrapped by hand)."""
+
+    def shard(self, door: Any, model: Module) -> Module:
+        """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
+
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        """Set up a model that :meth:`owns` already holds units of (wrapped by hand: FSDP1 through Lightning's
+        ``lightning_setup``; sharded before: FSDP2, as it is)."""
+
+    def wrap_context(self, door: Any) -> AbstractContextManager:
+        """Around the model's construction: what ``wrap()`` calls inside it build (FSDP1 only)."""
+
+    def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip by the norm over every shard on every rank."""
+
+    def no_sync(self, module: Module) -> AbstractContextManager:
+        """Gradients stay local to each rank until the next synchronised backward."""
+
+    def mixed_precision_row(self, door: Any) -> str:
+        """The start table's "mixed precision" row."""
+
+    def fingerprint(self, model: Module) -> dict[str, int]:
+        """What every rank must agree on: each unit's name and size."""
+
+    def held_elements(self, model: Module) -> int:
+        """Elements of the parameters (FSDP1: flat parameters) this rank holds."""
+
+    def unit_count(self, model: Module) -> int: ...
+
+    # checkpoints, per format
+    def model_state_dict(self, model: Module, fmt: str, device_type: str, stream: Any = None) -> dict[str, Any]:
+        """The model's state in ``fmt`` (empty on ranks other than 0 for ``full``); ``stream``: plan a full state's
+        gather on it instead (see :mod:`..checkpoint.streaming`)."""
+
+    def optimizer_state_dict(
+        self, model: Module, optimizer: Any, fmt: str, device_type: str, rank: int, stream: Any = None
+    ) -> dict[str, Any]: ...
+
+    def local_layout(self, model: Module) -> dict[str, Any]:
+        """What a local checkpoint records of the model (with ``engine``: this engine's version)."""
+
+    def check_local_layout(self, path: Any, meta: dict[str, Any], model: Module) -> None:
+        """Raise ``CheckpointError`` when a local checkpoint's recorded layout does not fit ``model``."""
+
+    def current_state(self, model: Module, fmt: str, device_type: str) -> dict[str, Any]:
+        """The sharded or local state dict a checkpoint of that format is checked against."""
+
+    def local_shard_keys(self, current: dict[str, Any]) -> list[str]:
+        """The keys of :meth:`current_state` a rank's local shard must hold."""
+
+    def expected_full_shapes(self, model: Module) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the parameters a full state dict of ``model`` must hold."""
+
+    def apply_load(
+        self, pending: Any, model: Module, optimizers: Any, *, device_type: str, strict: bool, load_optimizers: bool
+    ) -> None:
+        """Load a checked checkpoint (``loading.PendingLoad``) into ``model`` and ``optimizers``."""
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        """Load one full optimizer state into ``optimizer`` of the sharded ``model``."""
+
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        """Copy this rank's part of each planned pretrained parameter into its shards (parameters no unit manages
+        get memory on ``device`` first); returns the elements written."""
+
+
+def select(fsdp_version: int) -> Engine:
+    """The engine for a resolved ``fsdp_version`` (1 or 2)."""
+    return FSDP2() if fsdp_version == 2 else FSDP1()
+
+
+def of(model: Module) -> Engine:
+    """The engine that set ``model`` up, for code that holds only a model (tests, tools); the doors hold theirs."""
+    return FSDP2() if is_fsdp2(model) else FSDP1()

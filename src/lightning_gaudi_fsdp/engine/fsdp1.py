@@ -1,0 +1,149 @@
+"""The FSDP1 engine: ``FullyShardedDataParallel`` wraps the model in a new root, each unit flattening its parameters
+into one flat parameter of which every rank holds a contiguous slice (state dicts: :mod:`.fsdp1_state`; the flat
+parameters' layout: :mod:`..adapters.fsdp1_internals`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from lightning_gaudi_fsdp import _activation_checkpointing as activation
+from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
+from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
+
+
+class FSDP1:
+    version = 1
+    label = "FSDP1 (FullyShardedDataParallel)"
+    held_label = "flat parameters per rank"
+    shards_in_place = False
+
+    def owns(self, model: Module) -> bool:
+        return any(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
+
+    def shard(self, door: Any, model: Module) -> Module:
+        return wrap(door, model)
+
+    def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        """A model whose FSDP units the user wrapped by hand (``wrap()`` in ``configure_model`` or under
+        ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
+        activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
+        a model the strategy wraps, and the batch dtypes kept at the root."""
+        _sharding.plan_pretrained(door, model)  # refuses pretrained_weights for a model wrapped by hand
+        model = lightning_setup(model)
+        if door._activation_checkpointing_kwargs:
+            door._cache_off_in_training = activation.apply_cache_off_in_training(model)
+        if isinstance(model, fsdp1_internals.fsdp_class()):
+            _sharding.keep_batch_dtypes(door, model)
+        return model
+
+    def wrap_context(self, door: Any) -> AbstractContextManager:
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(**wrap_context_kwargs(door))
+
+    def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
+
+    def no_sync(self, module: Module) -> AbstractContextManager:
+        if not isinstance(module, fsdp1_internals.fsdp_class()):
+            raise _sharding.not_set_up_for_no_sync(module)
+        return module.no_sync()
+
+    def mixed_precision_row(self, door: Any) -> str:
+        mp = door.mixed_precision_config
+        if mp is None:
+            return "fp32 (no FSDP mixed precision)"
+        return f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
+
+    def fingerprint(self, model: Module) -> dict[str, int]:
+        return fsdp1_internals.unit_sizes(model)
+
+    def held_elements(self, model: Module) -> int:
+        return sum(p.numel() for p in fsdp1_state.flat_params(model))
+
+    def unit_count(self, model: Module) -> int:
+        return sum(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
+
+    def load_pretrained(self, model: Module, prepared: Any, device: torch.device) -> int:
+        return pretrained.load(model, prepared, device)
+
+    # checkpoints, per format (:mod:`.fsdp1_io`)
+    model_state_dict = staticmethod(fsdp1_io.model_state_dict)
+    optimizer_state_dict = staticmethod(fsdp1_io.optimizer_state_dict)
+    local_layout = staticmethod(fsdp1_io.local_layout)
+    check_local_layout = staticmethod(fsdp1_io.check_local_layout)
+    current_state = staticmethod(fsdp1_io.current_state)
+    local_shard_keys = staticmethod(fsdp1_io.local_shard_keys)
+    expected_full_shapes = staticmethod(fsdp1_io.expected_full_shapes)
+    apply_load = staticmethod(fsdp1_io.apply_load)
+
+    def load_full_optimizer(self, model: Module, optimizer: Any, state: dict[str, Any], device_type: str) -> None:
+        fsdp1_io.load_full_optimizers(model, [optimizer], [state], device_type)
+
+
+def wrap(door: Any, model: Module) -> Module:
+    """Wrap ``model`` (no FSDP unit inside yet) in ``FullyShardedDataParallel`` with the strategy's arguments, apply
+    activation checkpointing and keep the batch dtypes when asked; records the root on ``door``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kwargs = dict(door.kwargs)
+    prepared = _sharding.plan_pretrained(door, model)
+    if prepared is not None:
+        kwargs["param_init_fn"] = pretrained.empty_init(_sharding.fsdp_device(door))
+    if kwargs.get("sync_module_states") and _sharding.fsdp_device(door).type == "cpu":
+        # torch refuses sync_module_states for CPU tensors although gloo broadcasts them fine.
+        _sharding.broadcast_module_states(model)
+        kwargs["sync_module_states"] = False
+    try:
+        model = FSDP(
+            module=model,
+            cpu_offload=_sharding.effective_cpu_offload(door),
+            mixed_precision=door.mixed_precision_config,
+            sharding_strategy=door.sharding_strategy,
+            device_id=_sharding.fsdp_device(door),
+            **_sharding.resolve_ignored(door, model),
+            **kwargs,
+        )
+    except ValueError as err:
+        unit = fsdp1_internals.mixed_requires_grad_unit(err)
+        if unit is None:
+            raise
+        raise ValueError(_mixed_requires_grad_message(unit)) from err
+    lightning_internals.move_torchmetrics_to_device(model, door.root_device)
+    _sharding.load_pretrained(door, model, prepared)
+    door._cache_off_in_training = activation.apply_activation_checkpointing(
+        model, door._activation_checkpointing_kwargs
+    )
+    _sharding.keep_batch_dtypes(door, model)
+    return model
+
+
+def _mixed_requires_grad_message(unit: str) -> str:
+    return (
+        f"use_orig_params=False cannot shard {unit!r}: one FSDP unit mixes frozen (requires_grad=False) and trainable "
+        "parameters, as PEFT/LoRA adapters over a frozen base do, and FSDP1 then needs the original parameters; "
+        "pass use_orig_params=True (the default)"
+    )
+
+
+def wrap_context_kwargs(door: Any) -> dict[str, Any]:
+    """The arguments of ``enable_wrap`` for ``wrap()`` calls while the model is built: those of automatic wrapping,
+    with a device."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kwargs = {k: v for k, v in door.kwargs.items() if k != "auto_wrap_policy"}
+    return {
+        "wrapper_cls": FSDP,
+        "cpu_offload": _sharding.effective_cpu_offload(door, warn=False),
+        "mixed_precision": door.mixed_precision_config,
+        "sharding_strategy": door.sharding_strategy,
+        "device_id": _sharding.fsdp_device(door),
+        **kwargs,
+    }

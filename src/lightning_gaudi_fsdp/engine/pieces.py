@@ -1,0 +1,62 @@
+"""Engine-neutral arithmetic and collectives both engines' state-dict code shares: where ``torch.chunk`` cuts a
+flattened tensor among ranks, and sending each rank's pieces of a tensor straight into one full tensor on rank 0."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
+
+
+def chunk_spans(total: int, parts: int, unit: int = 1) -> tuple[tuple[int, int], ...]:
+    """Elements ``[start, end)`` each of ``parts`` ranks holds when ``total`` rows of ``unit`` elements each are cut as
+    ``torch.chunk`` cuts them (FSDP1 its flat parameter, ``unit=1``; FSDP2 a parameter's dim 0)."""
+    chunk = math.ceil(total / parts)
+    return tuple((min(r * chunk, total) * unit, min((r + 1) * chunk, total) * unit) for r in range(parts))
+
+
+def gather_pieces(
+    pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]], stream: FullStream | None = None
+) -> list[Any]:
+    """For each ``(param, this rank's piece, ranks sending pieces, dtype)`` (``param``: its ``shape`` and each rank's
+    ``spans``, elements ``[start, end)`` of the flattened parameter), rank 0 receives every sender's piece
+    straight into one host tensor of the parameter's shape (its own piece is copied in) and returns those tensors;
+    other ranks get ``None`` for each. Every rank passes the same list in the same order, and message ``i`` carries
+    tag ``i``, so no two are confused; all are in flight at once. With ``stream``, only planned: rank 0 gets
+    placeholders, and the pieces travel when the stream writes the checkpoint."""
+    import torch.distributed as dist
+
+    if stream is not None:
+        return [stream.gather(p.shape, p.spans, piece, senders, dtype) for p, piece, senders, dtype in pieces]
+    rank = dist.get_rank()
+    works, out, tag = [], [], 0
+    for param, piece, senders, dtype in pieces:
+        full = torch.empty(param.shape, dtype=dtype) if rank == 0 else None
+        for r in senders:
+            lo, hi = param.spans[r]
+            tag += 1
+            if hi <= lo:
+                continue
+            if rank == 0 and r == 0:
+                full.view(-1)[lo:hi].copy_(piece)
+            elif rank == 0:
+                works.append(dist.irecv(full.view(-1)[lo:hi], src=r, tag=tag))
+            elif r == rank:
+                works.append(dist.isend(piece.contiguous(), dst=0, tag=tag))
+        out.append(full)
+    for work in works:
+        work.wait()
+    return out
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
