@@ -24,7 +24,7 @@ exactly these parameters, group by group.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.checkpoint.formats import merge_groups
-from lightning_gaudi_fsdp.engine import fsdp1_state, fsdp2_state
+from lightning_gaudi_fsdp.engine import fsdp1_state
 
 # A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
 # shaped like the box).
@@ -75,15 +75,18 @@ def plan(
     *,
     strict: bool,
     load_optimizers: bool,
+    params_of: Callable[[Module], Params | None],
     model_key: str = "model",
     optimizer_keys: Sequence[str | None] = (),
 ) -> Plan | None:
     """The read that fills ``model`` (from ``model_state``, the sharded template :func:`.loading.check_load` built)
     and ``optimizers``; ``None`` where torch's path must do it (see the module's docstring). ``model_key``,
     ``optimizer_keys``: the DCP keys of the model and of each optimizer (the Trainer's: ``model``,
-    ``optimizer_<i>``; a Fabric checkpoint's: the keys of the user's state, see :mod:`.views`)."""
-    engine2 = fsdp2_state.is_fsdp2(model)
-    if not (engine2 or fsdp1_state.supported(model)):
+    ``optimizer_<i>``; a Fabric checkpoint's: the keys of the user's state, see :mod:`.views`). ``params_of``: the
+    engine's list of the parameters its optimizers see (:data:`Params`), ``None`` where this engine's model is not
+    one this read can fill."""
+    params = params_of(model)
+    if params is None:
         return None
     keys = set(metadata.state_dict_metadata)
     model_template = {k: v for k, v in model_state.items() if strict or f"{model_key}.{k}" in keys}
@@ -93,9 +96,6 @@ def plan(
     pieces: Pieces = {f"{model_key}.{k}": _pieces_of(v) for k, v in model_template.items()}
     planned: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]] = []
     if load_optimizers and not all(k.startswith(f"{model_key}.") for k in keys):
-        params = _fsdp2_params(model) if engine2 else _fsdp1_params(model)
-        if params is None:
-            return None
         saved = _saved_entries(metadata)
         for idx, optimizer in enumerate(optimizers):
             key = optimizer_keys[idx] if idx < len(optimizer_keys) else f"optimizer_{idx}"
@@ -164,36 +164,13 @@ def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch
 
 
 # ----------------------------------------------------------------------------------------------- optimizer state
-# For each parameter the optimizer sees: the names it stands for, and what builds its state.
-_Params = dict[int, tuple[list[str], Any]]
-
-
-def _fsdp1_params(model: Module) -> _Params | None:
-    params: _Params = {}
-    for unit in fsdp1_state._units(model):
-        if unit.orig_params:
-            for param, orig in zip(unit.params, unit.orig_params, strict=True):
-                params[id(orig)] = ([param.fqn], ("orig", param))
-        else:
-            params[id(unit.flat_param)] = ([p.fqn for p in unit.params], ("flat", unit))
-    return params
-
-
-def _fsdp2_params(model: Module) -> _Params | None:
-    from torch.distributed.tensor import DTensor
-
-    from lightning_gaudi_fsdp.engine.fsdp2_state import _named_parameters
-
-    params: _Params = {}
-    for name, param in _named_parameters(model):
-        if not isinstance(param, DTensor):
-            return None
-        params[id(param)] = ([name], ("dtensor", param))
-    return params
+# For each parameter the optimizer sees (by id): the names it stands for, and what builds its state; each engine
+# lists its own (``fsdp1_io.fast_load_params``, ``fsdp2_io.fast_load_params``).
+Params = dict[int, tuple[list[str], Any]]
 
 
 def _optimizer_pieces(
-    optimizer: Optimizer, params: _Params, saved: Mapping[str, Any], key: str, pieces: Pieces
+    optimizer: Optimizer, params: Params, saved: Mapping[str, Any], key: str, pieces: Pieces
 ) -> _Optimizer | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

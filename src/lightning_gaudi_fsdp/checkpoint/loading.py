@@ -289,11 +289,16 @@ def check_optimizer_count(path: Path, states: Sequence[Any], optimizers: Sequenc
 
 
 def load_sharded_fast(
-    pending: PendingLoad, model: Module, optimizers: Sequence[Optimizer], strict: bool, load_optimizers: bool
+    pending: PendingLoad,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    load_optimizers: bool,
+    params_of: Callable[[Module], fast_load.Params | None],
 ) -> bool:
     """Load a sharded checkpoint with one read straight into this rank's shards (see :mod:`.fast_load`); ``False``
     (nothing changed) where torch's path must do it. Every rank decides the same way (the decision depends on the
-    model's structure and the checkpoint only)."""
+    model's structure and the checkpoint only). ``params_of``: the calling engine's ``fast_load_params``."""
     planned = fast_load.plan(
         model,
         pending.model_state,
@@ -302,6 +307,7 @@ def load_sharded_fast(
         pending.optimizer_groups,
         strict=strict,
         load_optimizers=load_optimizers,
+        params_of=params_of,
         model_key=dcp_model_key(pending.rest),
         optimizer_keys=[dcp_optimizer_key(pending.rest, idx) for idx in range(len(optimizers))],
     )

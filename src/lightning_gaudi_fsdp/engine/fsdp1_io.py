@@ -207,6 +207,22 @@ def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
 
 
 # ------------------------------------------------------------------------------------------------------- loading
+def fast_load_params(model: Module) -> dict[int, tuple[list[str], Any]] | None:
+    """For :mod:`..checkpoint.fast_load`: each parameter the optimizers see (an original parameter with
+    ``use_orig_params``, else a unit's flat parameter) -> the names it stands for and what builds its state; ``None``
+    where the package does not build this model's sharded state itself."""
+    if not fsdp1_state.supported(model):
+        return None
+    params: dict[int, tuple[list[str], Any]] = {}
+    for unit in fsdp1_state.units(model):
+        if unit.orig_params:
+            for param, orig in zip(unit.params, unit.orig_params, strict=True):
+                params[id(orig)] = ([param.fqn], ("orig", param))
+        else:
+            params[id(unit.flat_param)] = ([p.fqn for p in unit.params], ("flat", unit))
+    return params
+
+
 def apply_load(
     pending: loading.PendingLoad,
     model: Module,
@@ -263,7 +279,7 @@ def _load_sharded(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     path = pending.path
-    if loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+    if loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers, fast_load_params):
         return
     if fsdp1_state.supported(model):  # the template check_load built is the package's: torch's path needs its own
         with state_dict_context(model, "sharded", device_type):

@@ -110,7 +110,7 @@ def supported(model: Module) -> bool:
             return False
     # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
     covered = {id(p) for p in fsdp1_internals.ignored_parameters(model)}
-    for unit in _units(model):
+    for unit in units(model):
         covered.add(id(unit.flat_param))
         covered.update(id(p) for p in unit.orig_params)
     return all(id(p) in covered for p in model.parameters())
@@ -122,7 +122,7 @@ def flat_params(model: Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _units(model: Module) -> Iterator[_Unit]:
+def units(model: Module) -> Iterator[_Unit]:
     for view in fsdp1_internals.units(model):
         spans_of_ranks = chunk_spans(view.unpadded_numel, view.world_size)  # FSDP cuts the flat parameter so
         own_range = spans_of_ranks[view.rank]
@@ -169,7 +169,7 @@ def model_state_dict(model: Module, rest: dict[str, Any]) -> dict[str, Any]:
     """The sharded model state dict: one ``ShardedTensor`` per original parameter, then ``rest`` (buffers and
     parameters FSDP does not manage, as a local state dict holds them)."""
     state: dict[str, Any] = {}
-    for unit in _units(model):
+    for unit in units(model):
         for param in unit.params:
             flat_slice = unit.local[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
             state[param.fqn] = _sharded_tensor(param, flat_slice)
@@ -195,7 +195,7 @@ def optimizer_state_dict(model: Module, optimizer: Optimizer) -> dict[str, Any] 
     parameter's shard): the caller then asks torch."""
     names: dict[int, list[str]] = {}  # id(parameter the optimizer sees) -> the original names it stands for
     state: dict[str, Any] = {}
-    for unit in _units(model):
+    for unit in units(model):
         if unit.orig_params:
             for param, orig in zip(unit.params, unit.orig_params, strict=True):
                 names[id(orig)] = [param.fqn]
@@ -248,7 +248,7 @@ def _place(
 def supports_full(model: Module) -> bool:
     """Whether :func:`full_model_state_dict` applies: :func:`supported`, with the shards in host memory (the pieces
     travel over the default group, which on an accelerator's backend does not carry host tensors)."""
-    return supported(model) and all(unit.local.device.type == "cpu" for unit in _units(model))
+    return supported(model) and all(unit.local.device.type == "cpu" for unit in units(model))
 
 
 def full_model_state_dict(model: Module, rest: dict[str, Any], stream: FullStream | None = None) -> dict[str, Any]:
@@ -261,7 +261,7 @@ def full_model_state_dict(model: Module, rest: dict[str, Any], stream: FullStrea
 
     pieces = [
         (param, unit.local[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard])
-        for unit in _units(model)
+        for unit in units(model)
         for param in unit.params
     ]
     full = gather_pieces([(param, piece, range(len(param.spans)), piece.dtype) for param, piece in pieces], stream)
@@ -296,10 +296,10 @@ def full_optimizer_state_dict(
     each parameter all hold its state, each tensor of it shaped like their piece."""
     import torch.distributed as dist
 
-    units = list(_units(model))
-    ok = all(unit.orig_params for unit in units)
+    every = list(units(model))
+    ok = all(unit.orig_params for unit in every)
     params = {
-        id(orig): (param, orig) for unit in units for param, orig in zip(unit.params, unit.orig_params, strict=False)
+        id(orig): (param, orig) for unit in every for param, orig in zip(unit.params, unit.orig_params, strict=False)
     }
     # What this rank holds of each parameter's state: tensors as ("piece", dtype name), anything else as its value.
     specs: dict[str, dict[str, Any]] = {}

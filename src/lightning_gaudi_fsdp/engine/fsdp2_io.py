@@ -41,6 +41,19 @@ def load_full_optimizer(model: Module, optimizer: Optimizer, state: dict[str, An
         fsdp2_state.load_full_optimizer(model, optimizer, state)
 
 
+def fast_load_params(model: Module) -> dict[int, tuple[list[str], Any]] | None:
+    """For :mod:`..checkpoint.fast_load`: each parameter (a DTensor) -> its name and what builds its state; ``None``
+    when a parameter is not sharded (torch's path loads that model)."""
+    from torch.distributed.tensor import DTensor
+
+    params: dict[int, tuple[list[str], Any]] = {}
+    for name, param in fsdp2_state.named_parameters(model):
+        if not isinstance(param, DTensor):
+            return None
+        params[id(param)] = ([name], ("dtensor", param))
+    return params
+
+
 def apply_load(
     pending: loading.PendingLoad,
     model: Module,
@@ -51,7 +64,9 @@ def apply_load(
     load_optimizers: bool,
 ) -> None:
     path = pending.path
-    if pending.fmt == "sharded" and loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers):
+    if pending.fmt == "sharded" and loading.load_sharded_fast(
+        pending, model, optimizers, strict, load_optimizers, fast_load_params
+    ):
         return
     if pending.fmt == "full":
         fsdp2_state.load_full(model, pending.model_state, strict)

@@ -43,14 +43,14 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
-def _named_parameters(model: Module) -> list[tuple[str, Any]]:
+def named_parameters(model: Module) -> list[tuple[str, Any]]:
     """Parameter names as state dicts spell them (no activation-checkpointing wrapper prefixes)."""
     return [(clean_name(name), p) for name, p in model.named_parameters()]
 
 
 def parameter_names(model: Module) -> list[str]:
     """Names of ``model.parameters()`` in order: the ids of a full optimizer state."""
-    names = {id(p): name for name, p in _named_parameters(model)}
+    names = {id(p): name for name, p in named_parameters(model)}
     return [names[id(p)] for p in model.parameters()]
 
 
@@ -215,7 +215,7 @@ def _keyed_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, 
 
 
 def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in _named_parameters(model)}
+    return {name: tuple(p.shape) for name, p in named_parameters(model)}
 
 
 def load_full(model: Module, state: Mapping[str, Any], strict: bool) -> None:
@@ -307,5 +307,5 @@ def local_layout(model: Module) -> list[dict[str, Any]]:
             "placements": [str(pl) for pl in p.placements] if isinstance(p, DTensor) else [],
             "mesh": list(p.device_mesh.shape) if isinstance(p, DTensor) else [],
         }
-        for name, p in _named_parameters(model)
+        for name, p in named_parameters(model)
     ]
