@@ -29,7 +29,6 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
-    SHARDED_METADATA,
     WORLD_SIZE_KEY,
     CheckpointError,
     bytes_to_write,
@@ -49,7 +48,7 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     file_view,
     internal_view,
     is_fabric,
-    with_dcp_keys,
+    sharded_view,
 )
 
 T = TypeVar("T")
@@ -101,7 +100,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = storage_reader(path, weights_only=weights_only).read_metadata()
-        rest = _sharded_view(path, metadata, weights_only)
+        rest = sharded_view(path, metadata, weights_only)
         prefix = f"{dcp_model_key(rest)}."
         model = {
             k: md
@@ -158,7 +157,7 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     # DCP's own offline reader (what dcp_to_torch_save uses), loading straight into tensors it allocates from the
     # metadata: one copy of the checkpoint in memory, no temporary file read back.
     reader = storage_reader(path, weights_only=weights_only)
-    rest = _sharded_view(path, reader.read_metadata(), weights_only)
+    rest = sharded_view(path, reader.read_metadata(), weights_only)
     state: dict[str, Any] = {}
     read_distributed(path, state, torch_internals.empty_load_planner(), weights_only=weights_only)
     rest.pop(OPTIMIZER_GROUPS_KEY, None)
@@ -170,12 +169,6 @@ def _sharded_to_full(path: Path, weights_only: bool) -> dict[str, Any]:
     if optimizers:
         rest["optimizer_states"] = optimizers
     return rest
-
-
-def _sharded_view(path: Path, metadata: Any, weights_only: bool) -> dict[str, Any]:
-    """The internal view of a sharded checkpoint's ``meta.pt``, naming the DCP keys of its model and optimizers."""
-    rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
-    return with_dcp_keys(internal_view(rest, path), list(metadata.state_dict_metadata))
 
 
 def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[dict[str, Any], list[str]]:

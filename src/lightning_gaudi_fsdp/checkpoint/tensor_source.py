@@ -26,7 +26,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
 )
 from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
-from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key, internal_view
+from lightning_gaudi_fsdp.checkpoint.views import dcp_model_key, internal_view, sharded_view
 
 
 @dataclass
@@ -111,11 +111,9 @@ def open_source(path: str | os.PathLike[str], *, weights_only: bool = True) -> T
     if fmt == "sharded":
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from lightning_gaudi_fsdp.checkpoint.convert import _sharded_view
-
         reader = storage_reader(path, weights_only=weights_only)
         metadata = reader.read_metadata()
-        rest = _sharded_view(path, metadata, weights_only)
+        rest = sharded_view(path, metadata, weights_only)
         prefix = f"{dcp_model_key(rest)}."
         entries = {
             k.removeprefix(prefix): (md.size, md.properties.dtype)

@@ -30,10 +30,12 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
     OPTIMIZER_GROUPS_KEY,
     PARAM_ID_NAMES_KEY,
+    SHARDED_METADATA,
     WORLD_SIZE_KEY,
     CheckpointError,
     optimizer_state_by_name,
 )
+from lightning_gaudi_fsdp.checkpoint.trust import load_file
 
 FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # internal view (top level of 0.x Fabric files): where Fabric's entries went
 DCP_KEYS = "gaudi_fsdp_dcp_keys"  # internal view of a sharded checkpoint: the model's and optimizers' DCP keys
@@ -209,3 +211,10 @@ def _is_plain_state_dict(obj: Any) -> bool:
         and any(isinstance(v, torch.Tensor) for v in obj.values())
         and not _is_optimizer_state(obj)
     )
+
+
+def sharded_view(path: Path, metadata: Any, weights_only: bool) -> dict[str, Any]:
+    """The internal view of a sharded checkpoint's ``meta.pt`` (either door's layout), naming the DCP keys of its
+    model and optimizers; ``metadata``: the checkpoint's DCP metadata, read once by the caller."""
+    rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
+    return with_dcp_keys(internal_view(rest, path), list(metadata.state_dict_metadata))
