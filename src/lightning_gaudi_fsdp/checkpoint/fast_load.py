@@ -132,7 +132,8 @@ def _chunk_offsets(value: Any) -> list[tuple[int, ...]]:
     """Where this rank's chunk of a DTensor starts (DCP's own computation, a millisecond each): computed once per
     global shape, layout, mesh and place of this rank in it (an 80-layer model has a handful)."""
     mesh = value.device_mesh
-    key = (tuple(value.shape), tuple(value.stride()), tuple(value.placements), repr(mesh), mesh.get_coordinate())
+    coordinate = tuple(mesh.get_coordinate() or ())  # a list on torch 2.9, a tuple on newer torch
+    key = (tuple(value.shape), tuple(value.stride()), tuple(value.placements), repr(mesh), coordinate)
     if key not in _OFFSETS:
         _OFFSETS[key] = [tuple(c.offsets) for c in value.__create_chunk_list__()]
     return _OFFSETS[key]
