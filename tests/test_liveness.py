@@ -11,8 +11,9 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_gaudi_fsdp import _liveness
-from lightning_gaudi_fsdp._liveness import Verdict, _process_alive
+from lightning_gaudi_fsdp import _liveness, _liveness_store
+from lightning_gaudi_fsdp._liveness_store import Verdict
+from lightning_gaudi_fsdp._rendezvous import _process_alive
 
 
 def test_a_running_process_is_alive_and_a_killed_unreaped_one_is_not():
@@ -42,7 +43,7 @@ def test_the_verdict_names_lost_ranks_and_the_first_error_another_rank_raised():
 
 
 def _leave_with_launcher_in_a_child(launcher_pid: str) -> subprocess.CompletedProcess[str]:
-    code = "from lightning_gaudi_fsdp import _liveness; _liveness.leave_with_launcher(); print('stayed')"
+    code = "from lightning_gaudi_fsdp import _rendezvous; _rendezvous.leave_with_launcher(); print('stayed')"
     env = {**os.environ, "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID": launcher_pid}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
@@ -88,7 +89,7 @@ raise RuntimeError("boom")
 
 
 def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds(monkeypatch):
-    from lightning_gaudi_fsdp import GaudiFSDPStrategy, _liveness
+    from lightning_gaudi_fsdp import GaudiFSDPStrategy, _rendezvous
 
     monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT", raising=False)
     assert GaudiFSDPStrategy()._config.failure_timeout == 60.0
@@ -101,7 +102,7 @@ def test_failure_timeout_takes_the_argument_then_the_environment_then_60_seconds
         GaudiFSDPStrategy()
     with pytest.raises(ValueError, match=r"failure_timeout=-1 is not supported; expected a positive number of seconds"):
         GaudiFSDPStrategy(failure_timeout=-1)
-    assert _liveness.DEFAULT_FAILURE_TIMEOUT_S == 60.0
+    assert _rendezvous.DEFAULT_FAILURE_TIMEOUT_S == 60.0
     from jsonargparse import ArgumentParser  # LightningCLI's parser: the bound is a YAML value like any other
 
     parser = ArgumentParser()
@@ -170,25 +171,25 @@ def test_a_wait_in_torch_distributed_is_timed_per_call_so_short_waits_never_add_
 
 _RENDEZVOUS_CHILD = """
 import os, subprocess, sys, time
-from lightning_gaudi_fsdp import _liveness
+from lightning_gaudi_fsdp import _rendezvous
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()
-with _liveness.bounded_rendezvous(1.0, lambda: (0, 2)):
+with _rendezvous.bounded_rendezvous(1.0, lambda: (0, 2)):
     time.sleep(0.1)  # a rendezvous that finishes in time
 time.sleep(1.5)  # past the bound: nothing fires once it finished
 print("stayed", flush=True)
 # Lightning's launcher whose started ranks are all the others and all still run: slow, not lost; it waits on
-with _liveness.bounded_rendezvous(1.0, lambda: (0, 2), lambda: {1: os.getpid()}):
+with _rendezvous.bounded_rendezvous(1.0, lambda: (0, 2), lambda: {1: os.getpid()}):
     time.sleep(2)
 print("waited on", flush=True)
 # a rank Lightning's launcher started (its parent) waits on as well: the launcher does the watching
-_liveness._launcher_pid = os.getppid()
-with _liveness.bounded_rendezvous(1.0, lambda: (1, 2)):
+_rendezvous._launcher_pid = os.getppid()
+with _rendezvous.bounded_rendezvous(1.0, lambda: (1, 2)):
     time.sleep(2)
-_liveness._launcher_pid = 0
+_rendezvous._launcher_pid = 0
 print("followed", flush=True)
 # one of them ended: no need to wait for the bound
-with _liveness.bounded_rendezvous(60.0, lambda: (0, 2), lambda: {1: dead.pid}):
+with _rendezvous.bounded_rendezvous(60.0, lambda: (0, 2), lambda: {1: dead.pid}):
     time.sleep(60)
 print("still here", flush=True)
 """
@@ -267,7 +268,7 @@ def test_a_heartbeat_that_looks_while_another_rank_records_its_error_still_ackno
 
             return call
 
-    _liveness._record_error(Interleaved(), 1, survivor._run, "RuntimeError: boom", peer_failure=False)
+    _liveness_store._record_error(Interleaved(), 1, survivor._run, "RuntimeError: boom", peer_failure=False)
     survivor._acknowledge_errors(store)  # its next beat
     assert "[rank 0] lightning_gaudi_fsdp: rank 1 failed first with: RuntimeError: boom" in capfd.readouterr().err
-    assert store.check([_liveness._key("ack", "1/0", survivor._run)])
+    assert store.check([_liveness_store._key("ack", "1/0", survivor._run)])

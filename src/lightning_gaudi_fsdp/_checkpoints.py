@@ -212,3 +212,33 @@ def load_agreed(
         strict=strict,
         load_optimizers=load_optimizers,
     )
+
+
+def hooks_read_checkpoint(strategy: Any) -> bool:
+    """Whether an ``on_save_checkpoint`` hook sees the checkpoint before it is written: overridden by the
+    LightningModule, the datamodule, a callback or the precision plugin."""
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    trainer = strategy.lightning_module.trainer
+    hooked: list[tuple[Any, type]] = [
+        (trainer.lightning_module, LightningModule),
+        (trainer.datamodule, LightningDataModule),
+        (strategy.precision_plugin, Precision),
+        *((callback, Callback) for callback in trainer.callbacks),
+    ]
+    # LightningDataModule defines no such hook (Lightning calls none on it); one a datamodule adds counts as well
+    return any(
+        is_overridden("on_save_checkpoint", obj, parent)
+        if hasattr(parent, "on_save_checkpoint")
+        else callable(getattr(obj, "on_save_checkpoint", None))
+        for obj, parent in hooked
+    )
+
+
+def then_wait_for_copies(closure: Callable[[], Any], strategy: Any) -> Any:
+    """Run the optimizer step's ``closure``, then wait until the background saver's copies of the weights are made."""
+    output = closure()
+    wait_for_copies(strategy)
+    return output

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_gaudi_fsdp import _liveness, _preemption, module_options, options
+from lightning_gaudi_fsdp import _preemption, _rendezvous, module_options, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import base as engine
 
@@ -158,7 +158,7 @@ def resolve(
         else options.resolve_bool(check_free_space, "check_free_space"),
         checkpoint_crc32=options.resolve_bool(checkpoint_crc32, "checkpoint_crc32"),
         pretrained=weights,
-        failure_timeout=_liveness.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
+        failure_timeout=_rendezvous.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
         preemption=options.resolve_preemption(preemption),
         preemption_grace=options.resolve_preemption_grace(preemption_grace),

@@ -17,243 +17,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning_gaudi_fsdp import _compat, _exit, _stuck, options
+from lightning_gaudi_fsdp import _compat, _exit, _stuck
+from lightning_gaudi_fsdp._liveness_store import (
+    Verdict,
+    _connect,
+    _key,
+    _read,
+    _record_error,
+    _recorded_errors,
+    _run_id,
+    _wait_for_keys,
+    _who,
+    looks_like_a_lost_peer,
+)
+from lightning_gaudi_fsdp._rendezvous import DEFAULT_FAILURE_TIMEOUT_S, _leave, _process_alive, _say, _where
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "lightning_gaudi_fsdp/liveness"
 _DISABLE_ENV = "LIGHTNING_GAUDI_FSDP_HEARTBEAT"
-_LAUNCHER_ENV = "LIGHTNING_GAUDI_FSDP_LAUNCHER_PID"  # set by the process that starts the other ranks
-_BOUND_ENV = "LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT"
-DEFAULT_FAILURE_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1
 _CALL_BEATS = 3  # the heartbeat thread's store requests (and reconnections) give up after this many beats
 _REPORTED = "_lightning_gaudi_fsdp_reported"  # set on an exception once reported
-_launcher_pid: int | None = None  # read once from _LAUNCHER_ENV
 _uncaught: Heartbeat | None = None  # the heartbeat whose rank reports exceptions that end the script
-
-
-def failure_timeout(value: float | None) -> float:
-    """The bound in seconds: ``value`` (the strategy's resolved ``failure_timeout``) when given, else
-    ``LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT``, else 60. Read where the strategy is built, so a bad value in the
-    environment fails before any process starts. (This module reads its own variables: they are about launching and
-    liveness on any device, not about Gaudi's runtime, which ``gaudi.py`` owns.)"""
-    if value is not None:
-        return value
-    text = os.environ.get(_BOUND_ENV, "").strip()
-    if not text:
-        return DEFAULT_FAILURE_TIMEOUT_S
-    try:
-        number: Any = float(text)
-    except ValueError:
-        number = text
-    return options.resolve_seconds(number, _BOUND_ENV) or DEFAULT_FAILURE_TIMEOUT_S
-
-
-def _say(message: str) -> None:
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-
-
-def _leave(message: str | None) -> None:
-    """Print ``message`` and end this process at once with exit code 1 (from any thread: a main thread blocked in a
-    C++ wait would never see an exception raised here)."""
-    if message is not None:
-        _say(message)
-    os._exit(1)
-
-
-def _where() -> str:
-    return f"node {socket.gethostname()}, pid {os.getpid()}"
-
-
-@contextlib.contextmanager
-def bounded_rendezvous(
-    bound_s: float, who: Callable[[], tuple[int, int]], children: Callable[[], dict[int, int]] | None = None
-) -> Iterator[None]:
-    """Around the creation of the process group (and of what needs every rank right after it): if it has not
-    finished within ``bound_s`` seconds, print who waited for what and leave with exit code 1. Without it a rank whose
-    peer (or the store's host) died before or during the rendezvous waits out the whole process-group timeout (30
-    minutes by default), holding its device. ``who()``: this rank's (global rank, world size), read when it fires.
-
-    ``children()``: the ranks this process started (Lightning's launcher), global rank to pid. One that is gone ends the
-    wait at once; and when they are all the other ranks and all still run, the rendezvous can still complete (they
-    are slow to start: a loaded machine imports torch slowly), so the bound does not cut it short. A rank that
-    Lightning's launcher started (still its parent) waits on too: that launcher leaves as soon as any rank it started
-    ended, and the kernel then ends this rank with it (``PR_SET_PDEATHSIG``)."""
-    done = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + bound_s
-        while not done.wait(0.5):
-            rank, world_size = who()
-            pids = children() if children is not None else {}
-            dead = [f"rank {r} (pid {pid})" for r, pid in sorted(pids.items()) if not _process_alive(pid)]
-            if dead:
-                reason = f"{', '.join(dead)}, which it started, ended before joining"
-            elif time.monotonic() < deadline or (pids and len(pids) == world_size - 1) or _follows_launcher():
-                continue
-            else:
-                reason = (
-                    f"waited {bound_s:g} s (failure_timeout) and not every rank joined: a rank, or the host of the "
-                    "rendezvous store (global rank 0, or torchrun's agent on node 0), is gone or never started"
-                )
-            host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-            _leave(
-                f"lightning_gaudi_fsdp: rank {rank} of {world_size} ({_where()}) was in the rendezvous at "
-                f"{host}:{port}; {reason}; this rank leaves instead of waiting out the process-group timeout"
-            )
-
-    thread = threading.Thread(target=watch, name="lgf-rendezvous-watch", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-def _follows_launcher() -> bool:
-    """Whether Lightning's launcher started this process and is still its parent (it dies with it)."""
-    return _launcher_pid not in (None, 0, os.getpid()) and os.getppid() == _launcher_pid
-
-
-def mark_launcher() -> None:
-    """In the process about to start the other ranks with Lightning's launcher: they inherit its process id."""
-    os.environ[_LAUNCHER_ENV] = str(os.getpid())
-
-
-def leave_with_launcher() -> None:
-    """In a rank started by Lightning's launcher: never outlive it. Under that launcher the rendezvous store lives in
-    the launching process (global rank 0); a rank left behind when it dies would wait out the whole process-group
-    timeout (30 minutes by default), holding its device. The kernel kills this process when its parent dies (Linux
-    ``PR_SET_PDEATHSIG``), and if the launcher is already gone it leaves at once with a message.
-
-    The launcher's pid is taken from the environment once and removed from it, so processes this rank starts do not
-    inherit it; a pid that is not this process's parent and still runs is someone else's launch, left alone."""
-    global _launcher_pid
-    if _launcher_pid is None:
-        value = os.environ.pop(_LAUNCHER_ENV, "")
-        _launcher_pid = int(value) if value.isdigit() else 0
-    launcher = _launcher_pid
-    if not launcher or launcher == os.getpid():
-        return
-    import signal
-
-    if os.getppid() == launcher:
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the check below still runs at setup
-            log.debug("PR_SET_PDEATHSIG is not available here")
-        return
-    if _process_alive(launcher):
-        return  # not our parent and still running: an outer launch whose variable leaked into this environment
-    _leave(
-        f"lightning_gaudi_fsdp: the process that launched this rank (pid {launcher}, global rank 0) is gone; this "
-        "rank leaves instead of waiting for a rendezvous that cannot happen"
-    )
-
-
-@dataclass
-class Verdict:
-    """What a survivor learned: ranks that stopped without a word, and the errors ranks raised themselves, in order
-    (collective failures caused by another rank are left out)."""
-
-    lost: list[int] = field(default_factory=list)
-    errors: list[tuple[int, str]] = field(default_factory=list)
-    store_unreachable: str | None = None
-    stuck: list[int] = field(default_factory=list)  # alive, no error of their own: asked to print their stacks
-    agent_store: bool = False  # torchrun's agent holds the store (not global rank 0)
-    waited_in: str | None = None  # the collective this rank failed in
-
-    def message(self, rank: int, world_size: int) -> str | None:
-        if self.store_unreachable is not None:
-            if self.agent_store:
-                where = (
-                    "under torchrun the store lives in the agent of node 0, which ends the job (and the store) as "
-                    "soon as one of its workers exits: a rank was lost or failed, and torchrun's failure summary "
-                    "names it"
-                )
-            else:
-                where = (
-                    "under Lightning's launcher and SLURM the store lives in global rank 0's process, so rank 0 was "
-                    "most likely lost: its own output shows an error if it raised one, nothing if it was killed, ran "
-                    "out of memory or crashed"
-                )
-            return (
-                f"lightning_gaudi_fsdp: rank {rank} could not reach the rendezvous store ({self.store_unreachable}); "
-                + where
-            )
-        parts = []
-        if self.lost:
-            names = ", ".join(str(r) for r in self.lost)
-            plural = "s" if len(self.lost) > 1 else ""
-            parts.append(
-                f"rank{plural} {names} of {world_size} stopped without reporting an error (killed, out of memory, "
-                "or crashed); the collective failure on the surviving ranks follows from that"
-            )
-        if self.stuck:
-            names = ", ".join(str(r) for r in self.stuck)
-            plural = "s" if len(self.stuck) > 1 else ""
-            parts.append(
-                f"rank{plural} {names} of {world_size} still run{'' if plural else 's'} but never reached the "
-                f"collective (stuck); each printed its Python stack to its own stderr, under the line "
-                f"'lightning_gaudi_fsdp: rank N stack, asked by rank {rank}'"
-                + (f"; rank {rank} waited in {self.waited_in}" if self.waited_in else "")
-            )
-        others = [(r, text) for r, text in self.errors if r != rank]
-        if others:  # errors a rank raised itself (not a collective failing because of another rank)
-            first_rank, first_text = others[0]
-            parts.append(f"rank {first_rank} failed first with: {first_text}")
-        if not parts:
-            return None
-        return "lightning_gaudi_fsdp: " + "; ".join(parts)
-
-
-def _key(kind: str, rank: int | str, run: str) -> str:
-    return f"{_PREFIX}/{run}/{kind}/{rank}"
-
-
-def _run_id() -> str:
-    # torchrun keeps its store across restarts of the workers: keep each attempt's keys apart.
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def _process_alive(pid: int) -> bool:
-    """True while ``pid`` runs on this machine (a zombie, killed but not yet reaped by its parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): fall back to a signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
-
-
-def _connect(timeout_s: float) -> Any:
-    from torch.distributed import TCPStore
-
-    host = os.environ["MASTER_ADDR"]
-    port = int(os.environ["MASTER_PORT"])
-    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class Heartbeat:
@@ -575,54 +365,3 @@ def _dump_stacks(header: str) -> None:
     sys.stderr.write(header + "\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-
-
-def _record_error(store: Any, rank: int, run: str, text: str, peer_failure: bool) -> int:
-    """Record ``rank``'s error, numbered in the order errors reach the store; ``peer_failure``: a collective failing
-    because of another rank, not an error of its own. Returns its number. Readers watch the ``published`` count, bumped
-    once the record is readable: a reader that saw the number taken before the record was written would otherwise
-    count it as seen and never read it."""
-    order = store.add(_key("errors", "count", run), 1)
-    store.set(_key("error", rank, run), f"{order}\n{int(peer_failure)}\n{text}")
-    store.add(_key("errors", "published", run), 1)
-    return order
-
-
-def _recorded_errors(store: Any, ranks: Iterable[int], run: str) -> list[tuple[int, int, bool, str]]:
-    """(number, rank, peer_failure, text) of each error :func:`_record_error` recorded for ``ranks``."""
-    errors = []
-    for r in ranks:
-        recorded = _read(store, _key("error", r, run))
-        if recorded is not None:
-            seq, peer, text = recorded.split("\n", 2)
-            errors.append((int(seq), r, peer == "1", text))
-    return errors
-
-
-def _wait_for_keys(store: Any, keys: list[str], bound_s: float) -> None:
-    """Until every key is set, the store is gone (the rank that would set them left with it) or ``bound_s``."""
-    deadline = time.monotonic() + bound_s
-    with contextlib.suppress(Exception):
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(0.1)
-
-
-def _who(store: Any, rank: int, run: str) -> str:
-    node, _, pid = (_read(store, _key("who", rank, run)) or "?\n?").partition("\n")
-    return f"node {node}, pid {pid}"
-
-
-def _read(store: Any, key: str) -> str | None:
-    return store.get(key).decode() if store.check([key]) else None
-
-
-def looks_like_a_lost_peer(exception: BaseException) -> bool:
-    """A failure inside a collective or the store (as opposed to this rank's own bug), worth a diagnosis."""
-    import torch.distributed
-
-    if isinstance(exception, torch.distributed.DistError):
-        return True
-    text = str(exception)
-    return isinstance(exception, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "[/", "gloo", "hccl")
-    )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from lightning_gaudi_fsdp import _exit, _liveness, _preemption, gaudi
+from lightning_gaudi_fsdp import _exit, _liveness, _preemption, _rendezvous, gaudi
 
 
 class GaudiPlatform:
@@ -50,7 +50,7 @@ class GaudiPlatform:
         before_process_group(self)
         existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
-        with _liveness.bounded_rendezvous(
+        with _rendezvous.bounded_rendezvous(
             self._config.failure_timeout,  # type: ignore[attr-defined]
             lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
             lambda: launched_pids(self),
@@ -109,9 +109,9 @@ def before_launch(door: Any) -> None:
     """In ``_configure_launcher``: what must fail (or be set) before any process starts."""
     check_mesh_size(door._device_mesh, door.num_processes * door.num_nodes)
     if not door.cluster_environment.creates_processes_externally:
-        _liveness.mark_launcher()  # this process starts the other ranks (Lightning's launcher)
+        _rendezvous.mark_launcher()  # this process starts the other ranks (Lightning's launcher)
     else:
-        _liveness.leave_with_launcher()  # a rank it started (a no-op under torchrun, SLURM...)
+        _rendezvous.leave_with_launcher()  # a rank it started (a no-op under torchrun, SLURM...)
     if on_hpu(door):
         door._get_process_group_backend()  # a wrong backend fails before any process starts
         gaudi.ensure_eager_mode()
@@ -120,7 +120,7 @@ def before_launch(door: Any) -> None:
 
 def before_process_group(door: Any) -> None:
     """In ``setup_environment``, before Lightning creates the process group."""
-    _liveness.leave_with_launcher()  # before the rendezvous: never wait for a launcher that is gone
+    _rendezvous.leave_with_launcher()  # before the rendezvous: never wait for a launcher that is gone
     if on_hpu(door):
         gaudi.ensure_eager_mode()
         gaudi.import_hccl()

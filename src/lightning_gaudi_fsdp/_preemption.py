@@ -36,7 +36,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_gaudi_fsdp import _liveness
+from lightning_gaudi_fsdp import _liveness, _liveness_store
 from lightning_gaudi_fsdp.adapters import lightning_internals
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Preemption:
         self._store: Any = None
         global _armed
         _armed += 1  # every rank arms once per fit/validate/...: the same number keeps each run's keys apart
-        self._run = f"{_liveness._run_id()}/{_armed}"
+        self._run = f"{_liveness_store._run_id()}/{_armed}"
         self._previous_handler: Any = None
         self._previous_wakeup = -1
         self._wake: tuple[socket.socket, socket.socket] | None = None
@@ -207,7 +207,7 @@ class Preemption:
                 if self.flagged:
                     self._progress()
         except Exception as err:  # noqa: BLE001 - a watcher that fails must not leave a rank waiting at a boundary
-            if self.flagged and _liveness.looks_like_a_lost_peer(err):  # e.g. rank 0 left first, with the store
+            if self.flagged and _liveness_store.looks_like_a_lost_peer(err):  # e.g. rank 0 left first, with the store
                 self._leave(
                     f"the rendezvous store stopped answering (its host left: global rank 0, or torchrun's agent); "
                     f"it stopped at step {self.step}; nothing saved"
@@ -360,7 +360,7 @@ def arm(door: Any) -> None:
                 f"heartbeat, {_liveness._DISABLE_ENV} not 0); a SIGTERM is left to Lightning"
             )
             return
-        store = _liveness._connect(timeout_s=30)
+        store = _liveness_store._connect(timeout_s=30)
     watcher = Preemption(door._config.preemption_grace, lambda: (door.global_rank, door.world_size))
     watcher.start(store)
     door._preempt = watcher

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _preemption, _report, _sharding, precision
-from lightning_gaudi_fsdp.adapters import lightning_internals, torch_internals
+from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.engine import fsdp1, pieces
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
@@ -296,7 +296,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
         # cannot run manual_backward. Run it outside, and send the module's own forward (``self(x)``) through the
         # root, as Fabric users call their wrapped model.
-        with self.precision_plugin.train_step_context(), _forward_through_root(root, module):
+        with self.precision_plugin.train_step_context(), fsdp1.forward_through_root(root, module):
             return module.training_step(*args, **kwargs)
 
     @override
@@ -355,7 +355,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if self._background is not None:
             # The closure runs the forward and backward, inside optimizer.step() and before it writes anything: an
             # asynchronous save's copies are waited for after it, so they overlap the forward and backward.
-            closure = functools.partial(_then_wait_for_copies, closure, self)
+            closure = functools.partial(_checkpoints.then_wait_for_copies, closure, self)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._config.compile_kwargs is not None:
             # FSDP keeps the sharded gradient on the flat parameter while the next forward unshards its data;
@@ -391,7 +391,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # is never written leaves no rank waiting on a send (the next checkpoint replaces it).
         stream = _checkpoints.full_stream(self)
         if stream is not None and not (
-            lightning_internals.building_checkpoint_to_save() and not _hooks_read_checkpoint(self)
+            lightning_internals.building_checkpoint_to_save() and not _checkpoints.hooks_read_checkpoint(self)
         ):
             stream = None
         self._pending_stream = stream
@@ -468,75 +468,3 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         return pieces.gather_objects(obj, self.world_size)
-
-
-def _hooks_read_checkpoint(strategy: GaudiFSDPStrategy) -> bool:
-    """Whether an ``on_save_checkpoint`` hook sees the checkpoint before it is written: overridden by the
-    LightningModule, the datamodule, a callback or the precision plugin."""
-    from lightning.pytorch import Callback, LightningDataModule, LightningModule
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    trainer = strategy.lightning_module.trainer
-    hooked: list[tuple[Any, type]] = [
-        (trainer.lightning_module, LightningModule),
-        (trainer.datamodule, LightningDataModule),
-        (strategy.precision_plugin, Precision),
-        *((callback, Callback) for callback in trainer.callbacks),
-    ]
-    # LightningDataModule defines no such hook (Lightning calls none on it); one a datamodule adds counts as well
-    return any(
-        is_overridden("on_save_checkpoint", obj, parent)
-        if hasattr(parent, "on_save_checkpoint")
-        else callable(getattr(obj, "on_save_checkpoint", None))
-        for obj, parent in hooked
-    )
-
-
-@contextmanager
-def _forward_through_root(root: Module, module: pl.LightningModule) -> Generator[None, None, None]:
-    """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
-    into the module's real forward). An FSDP unit called directly, outside that forward and outside backward
-    recomputation, raises a clear error instead of FSDP's state assertion later in backward."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    original_forward = module.forward
-    patched_before = "forward" in vars(module)  # e.g. by another wrapper: put back exactly what was there
-    inside = False
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        nonlocal inside
-        if inside:  # the root calling into the module
-            return original_forward(*args, **kwargs)
-        inside = True
-        try:
-            return root(*args, **kwargs)
-        finally:
-            inside = False
-
-    def guard(unit: Module, args: Any) -> None:
-        if not inside and not torch_internals.in_backward():
-            raise RuntimeError(
-                "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's "
-                f"forward) in training_step: the FSDP unit {type(unit.module).__name__} was called directly, "
-                "outside the FSDP root's forward, which FSDP cannot run backward for"
-            )
-
-    hooks = [
-        unit.register_forward_pre_hook(guard) for unit in root.modules() if isinstance(unit, FSDP) and unit is not root
-    ]
-    module.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if patched_before:
-            module.forward = original_forward  # type: ignore[method-assign]
-        else:
-            del module.forward
-        for hook in hooks:
-            hook.remove()
-
-
-def _then_wait_for_copies(closure: Callable[[], Any], strategy: GaudiFSDPStrategy) -> Any:
-    output = closure()
-    _checkpoints.wait_for_copies(strategy)
-    return output

@@ -4,8 +4,8 @@ parameters' layout: :mod:`..adapters.fsdp1_internals`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch.nn import Module
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
 from lightning_gaudi_fsdp import _sharding
-from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
 
@@ -147,3 +147,47 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
     }
+
+
+@contextmanager
+def forward_through_root(root: Module, module: Module) -> Generator[None, None, None]:
+    """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
+    into the module's real forward). An FSDP unit called directly, outside that forward and outside backward
+    recomputation, raises a clear error instead of FSDP's state assertion later in backward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    original_forward = module.forward
+    patched_before = "forward" in vars(module)  # e.g. by another wrapper: put back exactly what was there
+    inside = False
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal inside
+        if inside:  # the root calling into the module
+            return original_forward(*args, **kwargs)
+        inside = True
+        try:
+            return root(*args, **kwargs)
+        finally:
+            inside = False
+
+    def guard(unit: Module, args: Any) -> None:
+        if not inside and not torch_internals.in_backward():
+            raise RuntimeError(
+                "With manual optimization under GaudiFSDPStrategy, call the model as self(...) (the LightningModule's "
+                f"forward) in training_step: the FSDP unit {type(unit.module).__name__} was called directly, "
+                "outside the FSDP root's forward, which FSDP cannot run backward for"
+            )
+
+    hooks = [
+        unit.register_forward_pre_hook(guard) for unit in root.modules() if isinstance(unit, FSDP) and unit is not root
+    ]
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if patched_before:
+            module.forward = original_forward  # type: ignore[method-assign]
+        else:
+            del module.forward
+        for hook in hooks:
+            hook.remove()
