@@ -284,7 +284,7 @@ def test_wrap_inside_configure_model_gets_a_device(scenario):
     assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
 
 
-@pytest.mark.slow  # still aborts at exit now and then under load (2 of ~17 runs on torch 2.13): issue 28 item 13 is open
+@pytest.mark.slow  # still aborts at exit now and then under load (2 of ~17 runs, torch 2.13): issue 28 item 13
 def test_a_plain_script_that_saves_after_fit_exits_0_with_nothing_left_running(scenario, tmp_path):
     """A user's script: ``Trainer.fit`` with FSDP2, then ``trainer.save_checkpoint``, then the interpreter's own exit
     (no ``destroy_process_group``, no ``os._exit``) under Lightning's launcher. Whatever the package started is closed
