@@ -297,7 +297,7 @@ def test_a_plain_script_that_saves_after_fit_exits_0_with_nothing_left_running(s
     engine = 2 if _compat.FSDP2_FORCE_SUM_REDUCTION else 1
     strategy = {"fsdp_version": engine, "auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
     run = scenario(
-        {"strategy": strategy, "max_steps": 2, "save_path": str(ckpt), "exit_normally": True},
+        {"strategy": strategy, "max_steps": 2, "save_path": str(ckpt), "exit_normally": True, "late_collective": True},
         launcher="lightning",  # a plain `python script.py`; the scenario pool ends its ranks with os._exit
         expect_ok=False,
     )

@@ -16,6 +16,11 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+# ------------------------------------------------------------------------------------------------ c10d's threads
+# The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``); torch 2.9 and older
+# leave them unnamed (they carry the process's name; checked on 2.6, 2.9, 2.13, 2.14). ``_exit`` waits for them to go idle before Python shuts down.
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
 # ------------------------------------------------------------------------------------------- torch.save internals
 # torch.serialization._save's parameters, as the streaming writer calls it (checked on torch 2.6, 2.9, 2.13, 2.14).
 SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
