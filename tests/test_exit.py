@@ -48,8 +48,8 @@ def test_gloo_workers_are_found_and_waited_for_until_idle():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    # gloo's default is two worker threads per group, named by torch 2.13 and 2.14; where torch leaves them unnamed (2.9,
-    # 2.6), its other unnamed threads are waited for too. A torch that renames them fails here: none found.
+    # gloo's default is two worker threads per group, named by torch 2.13 and 2.14; where torch leaves them unnamed
+    # (2.6, 2.9), its other unnamed threads are waited for too. A torch that renames them fails here: none found.
     assert found["named"] == 2 or (found["named"] == 0 and found["workers"] >= 2), found
     assert found["idle_settles"] is True
     assert found["busy_settles"] is False

@@ -124,8 +124,8 @@ def _gloo_groups_exist() -> bool:
 def settle_gloo_workers(bound_s: float = SETTLE_S) -> bool:
     """Wait, with the GIL released, until every gloo worker thread of this process is in its idle wait in two
     samples in a row (at most ``bound_s`` seconds). True when they are, or when this system cannot tell (no
-    ``/proc``). Workers are the threads torch names ``pt_gloo_runloop``; where torch leaves them unnamed (2.9 and
-    older), every thread that is not a Python thread and carries the process's own name."""
+    ``/proc``). Workers are the threads torch names ``pt_gloo_runloop``; where torch leaves them unnamed (2.6,
+    2.9), every thread that is not a Python thread and carries the process's own name."""
     workers = _gloo_workers()
     deadline = time.monotonic() + bound_s
     settled_once = False

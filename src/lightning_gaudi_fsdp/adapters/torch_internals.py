@@ -17,8 +17,8 @@ import torch
 from torch.nn import Module
 
 # ------------------------------------------------------------------------------------------------ c10d's threads
-# The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``); torch 2.9 and older
-# leave them unnamed (they carry the process's name; checked on 2.6, 2.9, 2.13, 2.14). ``_exit`` waits for them to go idle before Python shuts down.
+# The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``) on 2.13 and 2.14;
+# 2.6 and 2.9 leave them unnamed (they carry the process's name). ``_exit`` waits for them to go idle at exit.
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 
 # ------------------------------------------------------------------------------------------- torch.save internals
