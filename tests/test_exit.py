@@ -16,7 +16,7 @@ pytestmark = pytest.mark.versions  # which threads torch starts, and how it name
 _PROBE = """
 import json, os, socket, time, torch, torch.distributed as dist
 from lightning_gaudi_fsdp import _exit
-from lightning_gaudi_fsdp.adapters.torch_internals import GLOO_WORKER_THREAD
+from lightning_gaudi_fsdp.adapters.torch_internals import GLOO_WORKER_THREAD, gloo_groups_exist
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -35,7 +35,9 @@ found["busy_settles"] = _exit.settle_gloo_workers(0.3)  # the callback still run
 found["busy_bound_s"] = time.monotonic() - started
 found["then_settles"] = _exit.settle_gloo_workers(5.0)  # once it returns, the worker goes back to its idle wait
 found["then_s"] = time.monotonic() - started
+found["gloo"] = gloo_groups_exist()
 dist.destroy_process_group()
+found["gloo_after"] = gloo_groups_exist()
 print(json.dumps(found))
 """
 
@@ -51,6 +53,7 @@ def test_gloo_workers_are_found_and_waited_for_until_idle():
     # gloo's default is two worker threads per group, named by torch 2.13 and 2.14; where torch leaves them unnamed
     # (2.6, 2.9), its other unnamed threads are waited for too. A torch that renames them fails here: none found.
     assert found["named"] == 2 or (found["named"] == 0 and found["workers"] >= 2), found
+    assert (found["gloo"], found["gloo_after"]) == (True, False)
     assert found["idle_settles"] is True
     assert found["busy_settles"] is False
     assert 0.3 <= found["busy_bound_s"] < 1.4, found

@@ -92,6 +92,12 @@ def close_all() -> None:
         )
 
 
+def _gloo_groups_exist() -> bool:
+    from lightning_gaudi_fsdp.adapters import torch_internals
+
+    return torch_internals.gloo_groups_exist()
+
+
 def _destroy_default_group() -> None:
     import torch.distributed
 
@@ -108,17 +114,6 @@ def _join_our_threads(bound_s: float = SETTLE_S) -> None:
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
                 log.warning(f"lightning_gaudi_fsdp: at exit, thread {thread.name!r} was still running")
-
-
-def _gloo_groups_exist() -> bool:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    try:
-        return any("gloo" in str(dist.get_backend(group)) for group in list(dist.distributed_c10d._world.pg_map))
-    except Exception:  # noqa: BLE001 - a group being torn down: assume gloo, the wait is bounded
-        return True
 
 
 def settle_gloo_workers(bound_s: float = SETTLE_S) -> bool:
