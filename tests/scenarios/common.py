@@ -240,7 +240,11 @@ def record_what_outlives(out: Path) -> None:
 def a_late_collective(seconds: float = 0.5) -> None:
     """End with a collective still finishing on gloo's worker thread: an all-reduce whose completion callback runs
     there for ``seconds`` while this thread returns as soon as the result is in (what a worker the scheduler pauses
-    before it frees the work's tensors does by chance). A process that shuts Python down meanwhile aborts."""
+    before it frees the work's tensors does by chance). A process that shuts Python down meanwhile aborts. Rank 0
+    joins late, so on every other rank the work is still pending when the callback is attached (a callback attached
+    to a finished work runs at once, on this thread)."""
+    if torch.distributed.get_rank() == 0:
+        time.sleep(0.3)
     tensor = torch.ones(1)
     future = torch.distributed.all_reduce(tensor, async_op=True).get_future()
     future.then(lambda _: time.sleep(seconds))
