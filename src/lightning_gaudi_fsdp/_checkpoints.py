@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
+from lightning_gaudi_fsdp.checkpoint import formats, loading, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -127,7 +127,7 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     live = {
         local.untyped_storage().data_ptr()
         for tensor in [*(t for _, t in watch), *flat]
-        for local in storage.local_tensors(tensor) or ()
+        for local in space.local_tensors(tensor) or ()
         if local.device.type == "cpu"
     }
 

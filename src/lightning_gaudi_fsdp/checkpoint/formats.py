@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, storage
+from lightning_gaudi_fsdp.checkpoint import commit, space, storage
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -178,14 +178,14 @@ def bytes_to_write(
     """About how many bytes ``rank`` writes when saving ``checkpoint`` in ``fmt`` (rank 0 also writes what is not
     sharded)."""
     if fmt == "full":
-        return storage.estimate_bytes(checkpoint) if rank == 0 else 0
+        return space.estimate_bytes(checkpoint) if rank == 0 else 0
     model_state, optimizer_states, rest = _split_state(checkpoint)
     if fmt == "sharded":
-        own = storage.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
+        own = space.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
     else:
-        own = storage.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
+        own = space.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
     if rank == 0:
-        own += storage.estimate_bytes(rest) + len(json.dumps(dict(local_metadata or {}), default=str))
+        own += space.estimate_bytes(rest) + len(json.dumps(dict(local_metadata or {}), default=str))
     return own
 
 
