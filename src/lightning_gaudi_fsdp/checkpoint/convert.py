@@ -305,7 +305,7 @@ def convert(
     a Trainer checkpoint as the Trainer's; see :mod:`.views`); ``dst`` appears only once complete. ``src`` is unpickled
     with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. A write that
     fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
-    :func:`~.storage.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
+    :func:`~.space.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
     src, dst = Path(src), Path(dst)
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
