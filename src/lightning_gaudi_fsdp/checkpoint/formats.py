@@ -98,15 +98,6 @@ def param_id_names(model: Module, optimizer: Optimizer | None = None) -> list[st
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter id, keyed by parameter name instead."""
-    return {
-        **state,
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
-
-
 def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
     current = optimizer.state_dict()["param_groups"]
     return [{**saved, "params": cur["params"]} for saved, cur in zip(state["param_groups"], current, strict=True)]
