@@ -86,18 +86,20 @@ def init_context(door: Any) -> AbstractContextManager:
     return pretrained.parameters_on_meta() if door._config.pretrained is not None else nullcontext()
 
 
+def refuse_pretrained_when_wrapped(door: Any) -> None:
+    """For a model whose FSDP units the user wrapped by hand: ``pretrained_weights`` cannot be loaded into it."""
+    if door._config.pretrained is not None:
+        raise ValueError(
+            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
+            "and let auto_wrap_policy choose the FSDP units"
+        )
+
+
 def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
     """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
     so every rank raises them before any collective); adapters draw from rank 0's seed."""
     if door._config.pretrained is None:
         return None
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if any(isinstance(m, FSDP) for m in model.modules()):
-        raise ValueError(
-            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
-            "and let auto_wrap_policy choose the FSDP units"
-        )
     prepared = pretrained.plan(model, door._config.pretrained)
     prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
     return prepared

@@ -236,8 +236,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
         if self._engine.shards_in_place:
             return self._setup_in_place(model)
         previous = self._fsdp_root
@@ -250,7 +248,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         else:
             _sharding.warn_if_precision_overlaps(self)
             model = self._engine.shard(self, model)
-        self._fsdp_root = model if isinstance(model, FSDP) else None
+        self._fsdp_root = fsdp1.root_of(model)
         if self._config.compile_kwargs is not None and previous is not model:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)

@@ -35,7 +35,7 @@ class FSDP1:
         ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
         activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
         a model the strategy wraps, and the batch dtypes kept at the root."""
-        _sharding.plan_pretrained(door, model)  # refuses pretrained_weights for a model wrapped by hand
+        _sharding.refuse_pretrained_when_wrapped(door)
         model = lightning_setup(model)
         if door._activation_checkpointing_kwargs:
             door._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -147,6 +147,11 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
     }
+
+
+def root_of(model: Module) -> Module | None:
+    """``model`` when it is an FSDP root (wrapped by the strategy, or whole by hand), else None."""
+    return model if isinstance(model, fsdp1_internals.fsdp_class()) else None
 
 
 @contextmanager
