@@ -12,7 +12,7 @@ import torch
 from torch.nn import Module
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp import _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
@@ -26,6 +26,15 @@ class FSDP1:
 
     def owns(self, model: Module) -> bool:
         return any(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
+
+    def check_arguments(self, *, sharding_strategy: Any, state_dict_type: str, device_mesh: Any, **_: Any) -> None:
+        options.check_state_dict_type(state_dict_type, sharding_strategy, device_mesh)
+
+    def mixed_precision_config(self, mixed_precision: Any) -> Any:
+        return options.resolve_mixed_precision(mixed_precision)
+
+    def mixed_precision_policy(self, mixed_precision: Any) -> None:
+        return None
 
     def shard(self, door: Any, model: Module) -> Module:
         return wrap(door, model)

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp import _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
@@ -173,6 +173,30 @@ class FSDP2:
 
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
+
+    def check_arguments(
+        self,
+        *,
+        sharding_strategy: Any,
+        process_group: Any,
+        backward_prefetch: Any,
+        limit_all_gathers: bool,
+        use_orig_params: bool,
+        **_: Any,
+    ) -> None:
+        options.check_fsdp2_arguments(
+            sharding_strategy=sharding_strategy,
+            process_group=process_group,
+            backward_prefetch=backward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+        )
+
+    def mixed_precision_config(self, mixed_precision: Any) -> None:
+        return None
+
+    def mixed_precision_policy(self, mixed_precision: Any) -> Any:
+        return options.resolve_mixed_precision_policy(mixed_precision)
 
     def shard(self, door: Any, model: Module) -> Module:
         return shard(door, model)
