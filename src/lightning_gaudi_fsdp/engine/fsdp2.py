@@ -174,23 +174,8 @@ class FSDP2:
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
 
-    def check_arguments(
-        self,
-        *,
-        sharding_strategy: Any,
-        process_group: Any,
-        backward_prefetch: Any,
-        limit_all_gathers: bool,
-        use_orig_params: bool,
-        **_: Any,
-    ) -> None:
-        options.check_fsdp2_arguments(
-            sharding_strategy=sharding_strategy,
-            process_group=process_group,
-            backward_prefetch=backward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            use_orig_params=use_orig_params,
-        )
+    def check_arguments(self, *, state_dict_type: str, device_mesh: Any, **checked: Any) -> None:
+        options.check_fsdp2_arguments(**checked)  # state_dict_type, device_mesh: nothing FSDP2 refuses here
 
     def mixed_precision_config(self, mixed_precision: Any) -> None:
         return None
