@@ -200,6 +200,9 @@ def test_lightning_helpers_the_doors_reuse():
     assert isinstance(nn.Linear(1, 1), lightning_internals.Stateful)
     with pytest.raises(KeyError, match="missing"):
         lightning_internals.validate_keys_for_strict_loading(["missing"], [], strict=True)
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    assert lightning_internals.stage_throughputs(ThroughputMonitor(batch_size_fn=len)) == []  # filled by its setup
 
 
 # --------------------------------------------------------------------------------------------------- architecture

@@ -15,8 +15,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import formats, loading, storage, streaming
+from lightning_gaudi_fsdp.checkpoint import formats, loading, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -55,6 +56,31 @@ def full_stream(door: Any) -> FullStream | None:
     if door._state_dict_type != "full":
         return None
     return FullStream(door.global_rank) if streaming.available() else None
+
+
+def trainer_full_stream(strategy: Any) -> FullStream | None:
+    """The stream for the full checkpoint the Trainer door's ``lightning_module_state_dict`` starts, or None.
+
+    A full checkpoint that ``Trainer.save_checkpoint`` builds and hands to ``save_checkpoint``, with no hook reading it
+    in between, is streamed: rank 0 holds placeholders until ``save_checkpoint`` writes them as they arrive. The plan
+    waits on the strategy until then; nothing is sent before the save's write step, so a plan that is never written
+    leaves no rank waiting on a send."""
+    stream = full_stream(strategy)
+    if stream is None or not lightning_internals.building_checkpoint_to_save() or hooks_read_checkpoint(strategy):
+        return None
+    return stream
+
+
+def finish_trainer_saves(strategy: Any) -> None:
+    """At the Trainer door's teardown: wait for its background saves (an interrupted run's last one is not made)."""
+    if strategy._background is None:
+        return
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    trainer = lightning_internals.attached_trainer(strategy.lightning_module)
+    interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+    gather = functools.partial(gather_objects, world_size=strategy.world_size)
+    strategy._background.finish(rank=strategy.global_rank, gather=gather, interrupted=interrupted)
 
 
 def save_checkpoint(
@@ -127,7 +153,7 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     live = {
         local.untyped_storage().data_ptr()
         for tensor in [*(t for _, t in watch), *flat]
-        for local in storage.local_tensors(tensor) or ()
+        for local in space.local_tensors(tensor) or ()
         if local.device.type == "cpu"
     }
 

@@ -93,23 +93,22 @@ def resolve(
     prefetch = options.resolve_backward_prefetch(backward_prefetch)
     limit = options.resolve_bool(limit_all_gathers, "limit_all_gathers")
     orig = options.resolve_bool(use_orig_params, "use_orig_params")
-    mp_policy = None
-    if version == 2:
-        options.check_fsdp2_arguments(
-            sharding_strategy=sharding,
-            process_group=process_group,
-            backward_prefetch=prefetch,
-            limit_all_gathers=limit,
-            use_orig_params=orig,
-        )
-        mp_policy = options.resolve_mixed_precision_policy(mixed_precision)
-    else:
-        options.check_state_dict_type(state_dict_type, sharding, mesh)
+    chosen = engine.select(version)
+    chosen.check_arguments(
+        sharding_strategy=sharding,
+        process_group=process_group,
+        backward_prefetch=prefetch,
+        limit_all_gathers=limit,
+        use_orig_params=orig,
+        state_dict_type=state_dict_type,
+        device_mesh=mesh,
+    )
+    mp_policy = chosen.mixed_precision_policy(mixed_precision)
     parent = {
         "process_group_backend": options.resolve_process_group_backend(process_group_backend),
         "timeout": options.resolve_timeout(timeout),
         "cpu_offload": options.resolve_cpu_offload(cpu_offload),
-        "mixed_precision": options.resolve_mixed_precision(mixed_precision) if version == 1 else None,
+        "mixed_precision": chosen.mixed_precision_config(mixed_precision),
         "auto_wrap_policy": wrap_policy,
         "sharding_strategy": sharding,
         "state_dict_type": state_dict_type,

@@ -40,6 +40,33 @@ def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
     return door.cpu_offload
 
 
+def warn_if_precision_overlaps(door: Any) -> None:
+    """Warn (Trainer door) that ``mixed_precision`` overrides the dtypes the Trainer's precision would choose."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    plugin_precision = door.precision_plugin.precision
+    if door.mixed_precision is not None and plugin_precision != "32-true":
+        rank_zero_warn(
+            f"GaudiFSDPStrategy(mixed_precision=...) sets FSDP's parameter/reduce/buffer dtypes and overrides the "
+            f"dtypes Trainer(precision={plugin_precision!r}) would choose for them; autocast and input casting "
+            "still follow the Trainer's precision."
+        )
+
+
+def refuse_parameter_groups(door: Any, cause: ValueError | None) -> None:
+    """Raise when ``door``'s optimizers have several parameter groups that FSDP would flatten together
+    (``use_orig_params=False``); ``cause``: Lightning's own refusal, chained."""
+    if door.kwargs.get("use_orig_params"):
+        return
+    groups = max((len(optimizer.param_groups) for optimizer in door.optimizers), default=0)
+    if groups > 1:
+        raise ValueError(
+            f"configure_optimizers returned {groups} parameter groups, which needs use_orig_params=True "
+            "(with use_orig_params=False FSDP flattens each unit into one parameter and the groups cannot be "
+            "kept apart)"
+        ) from cause
+
+
 def resolve_ignored(door: Any, module: Module) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if door._config.ignored_modules is not None:
@@ -59,18 +86,20 @@ def init_context(door: Any) -> AbstractContextManager:
     return pretrained.parameters_on_meta() if door._config.pretrained is not None else nullcontext()
 
 
+def refuse_pretrained_when_wrapped(door: Any) -> None:
+    """For a model whose FSDP units the user wrapped by hand: ``pretrained_weights`` cannot be loaded into it."""
+    if door._config.pretrained is not None:
+        raise ValueError(
+            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
+            "and let auto_wrap_policy choose the FSDP units"
+        )
+
+
 def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
     """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
     so every rank raises them before any collective); adapters draw from rank 0's seed."""
     if door._config.pretrained is None:
         return None
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if any(isinstance(m, FSDP) for m in model.modules()):
-        raise ValueError(
-            "pretrained_weights needs the model unwrapped when the strategy sets it up: build it without wrap() "
-            "and let auto_wrap_policy choose the FSDP units"
-        )
     prepared = pretrained.plan(model, door._config.pretrained)
     prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
     return prepared

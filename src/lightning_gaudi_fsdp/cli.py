@@ -49,7 +49,7 @@ def _writers(info: dict[str, Any]) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint.convert import describe
-    from lightning_gaudi_fsdp.checkpoint.storage import human_bytes
+    from lightning_gaudi_fsdp.checkpoint.space import human_bytes
 
     info = describe(args.path, weights_only=not _trusting(args, args.path))
     if args.json:

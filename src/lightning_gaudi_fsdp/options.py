@@ -358,14 +358,19 @@ def resolve_seconds(value: timedelta | float | None, argument: str) -> float | N
     environment or the default)."""
     if value is None:
         return None
+    return _seconds_within(
+        value, argument, 0, 86400, "a positive number of seconds (at most a day), a timedelta or None"
+    )
+
+
+def _seconds_within(value: timedelta | float, argument: str, low: float, high: float, expected: str) -> float:
+    """``value`` (seconds or a ``timedelta``) as seconds, when above ``low`` and at most ``high``; else a
+    ``ValueError`` naming ``argument``, the value in seconds and what is ``expected``."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 86400:
+    if isinstance(value, int | float) and not isinstance(value, bool) and low < value <= high:
         return float(value)
-    raise ValueError(
-        f"{argument}={value!r} is not supported; expected a positive number of seconds (at most a day), a timedelta "
-        "or None"
-    )
+    raise ValueError(f"{argument}={value!r} is not supported; expected {expected}")
 
 
 PREEMPTION_MODES = ("save", "exit")
@@ -382,14 +387,8 @@ def resolve_preemption(value: object) -> str:
 def resolve_preemption_grace(value: timedelta | float) -> float:
     """``preemption_grace``: seconds from the signal until every rank has left, more than 1 (the margin kept for
     leaving) and at most an hour."""
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, int | float) and not isinstance(value, bool) and 1 < value <= 3600:
-        return float(value)
-    raise ValueError(
-        f"preemption_grace={value!r} is not supported; expected a number of seconds above 1 and at most 3600, or a "
-        "timedelta"
-    )
+    expected = "a number of seconds above 1 and at most 3600, or a timedelta"
+    return _seconds_within(value, "preemption_grace", 1, 3600, expected)
 
 
 def resolve_device_id(value: Any) -> int | str | torch.device | None:

@@ -16,8 +16,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -28,7 +27,7 @@ from typing_extensions import override
 from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _preemption, _report, _sharding, precision
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
-from lightning_gaudi_fsdp.engine import fsdp1, pieces
+from lightning_gaudi_fsdp.engine import fsdp1
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -198,7 +197,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @override
     def teardown(self) -> None:
         try:
-            self._finish_background_saves()
+            _checkpoints.finish_trainer_saves(self)
         finally:
             _platform.stop_heartbeat(self)
             _preemption.stop(self)  # a rank told of a SIGTERM leaves here
@@ -237,8 +236,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
         if self._engine.shards_in_place:
             return self._setup_in_place(model)
         previous = self._fsdp_root
@@ -249,9 +246,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         elif self._engine.owns(model):
             model = self._engine.adopt_wrapped(self, model, super()._setup_model)
         else:
-            self._warn_if_precision_overlaps()
+            _sharding.warn_if_precision_overlaps(self)
             model = self._engine.shard(self, model)
-        self._fsdp_root = model if isinstance(model, FSDP) else None
+        self._fsdp_root = fsdp1.root_of(model)
         if self._config.compile_kwargs is not None and previous is not model:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
@@ -335,20 +332,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         try:
             super().setup_optimizers(trainer)
         except ValueError as err:
-            self._refuse_parameter_groups(err)
+            _sharding.refuse_parameter_groups(self, err)
             raise
-        self._refuse_parameter_groups(None)
-
-    def _refuse_parameter_groups(self, cause: ValueError | None) -> None:
-        if self.kwargs.get("use_orig_params"):
-            return
-        groups = max((len(optimizer.param_groups) for optimizer in self.optimizers), default=0)
-        if groups > 1:
-            raise ValueError(
-                f"configure_optimizers returned {groups} parameter groups, which needs use_orig_params=True "
-                "(with use_orig_params=False FSDP flattens each unit into one parameter and the groups cannot be "
-                "kept apart)"
-            ) from cause
+        _sharding.refuse_parameter_groups(self, None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -367,15 +353,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     def _effective_cpu_offload(self, warn: bool = True) -> CPUOffload:
         return _sharding.effective_cpu_offload(self, warn)
 
-    def _warn_if_precision_overlaps(self) -> None:
-        plugin_precision = self.precision_plugin.precision
-        if self.mixed_precision is not None and plugin_precision != "32-true":
-            rank_zero_warn(
-                f"GaudiFSDPStrategy(mixed_precision=...) sets FSDP's parameter/reduce/buffer dtypes and overrides the "
-                f"dtypes Trainer(precision={plugin_precision!r}) would choose for them; autocast and input casting "
-                "still follow the Trainer's precision."
-            )
-
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _wrapped_model(self) -> Module:
         if self.model is None or self.lightning_module is None:
@@ -385,16 +362,8 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         model = self._wrapped_model()
-        # A full checkpoint that Trainer.save_checkpoint builds and hands to save_checkpoint, with no hook reading
-        # it in between, is streamed: rank 0 holds placeholders until save_checkpoint writes them as they arrive.
-        # The plan waits on the strategy until then; nothing is sent before the save's write step, so a plan that
-        # is never written leaves no rank waiting on a send (the next checkpoint replaces it).
-        stream = _checkpoints.full_stream(self)
-        if stream is not None and not (
-            lightning_internals.building_checkpoint_to_save() and not _checkpoints.hooks_read_checkpoint(self)
-        ):
-            stream = None
-        self._pending_stream = stream
+        # Kept until save_checkpoint writes it (see _checkpoints.trainer_full_stream); the next checkpoint replaces it.
+        self._pending_stream = stream = _checkpoints.trainer_full_stream(self)
         return self._engine.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
 
     @override
@@ -437,14 +406,6 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
 
-    def _finish_background_saves(self) -> None:
-        if self._background is None:
-            return
-        module = self.lightning_module
-        trainer = lightning_internals.attached_trainer(module)
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        self._background.finish(rank=self.global_rank, gather=self._gather_objects, interrupted=interrupted)
-
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Check ``checkpoint_path`` on every rank, then load it. ``weights_only`` is the one given to
@@ -465,6 +426,3 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             weights_only=weights_only is not False,
             load_optimizers=self.lightning_module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers),
         )
-
-    def _gather_objects(self, obj: Any) -> list[Any]:
-        return pieces.gather_objects(obj, self.world_size)

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gaudi_fsdp import gaudi
+from lightning_gaudi_fsdp.adapters import lightning_internals
 
 ComputeDtype = Literal["bf16", "fp8"]
 
@@ -127,9 +128,8 @@ class ThroughputMonitor(TrainerThroughputMonitor):
         self.peak = _resolve(device, trainer.precision_plugin.precision, trainer.strategy, self.dtype)
         if device.type == "hpu":  # elsewhere Lightning's own figure (CUDA, TPU) stands
             self.available_flops = self.peak.flops
-            # Lightning's setup built one Throughput per stage from its own (None) figure: a private attribute,
-            # Lightning >= 2.1 (tests/test_throughput.py fails if it moves)
-            for throughput in self._throughputs.values():
+            # Lightning's setup built one Throughput per stage from its own (None) figure
+            for throughput in lightning_internals.stage_throughputs(self):
                 throughput.available_flops = self.peak.flops
         if self.peak.flops:
             rank_zero_info(f"ThroughputMonitor: MFU against the {self.peak.reason}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit, formats, storage
+from lightning_gaudi_fsdp.checkpoint import commit, formats, space, storage
 from lightning_gaudi_fsdp.checkpoint.convert import convert, load_full_state
 from lightning_gaudi_fsdp.checkpoint.storage import CheckpointSaveError, Failure
 
@@ -66,8 +66,8 @@ def test_the_estimate_counts_a_shared_storage_once_and_a_dcp_tensor_by_its_eleme
     base = torch.zeros(1000)
     views = {"a": base[:500], "b": base[500:], "all": base}
     # torch.save writes the 4000-byte storage once; DCP writes each tensor's own elements (2000 + 2000 + 4000)
-    assert storage.estimate_bytes(views) - storage.estimate_bytes({"all": base}) < 1000
-    assert storage.estimate_bytes(views, tensors="elements") - storage.estimate_bytes({}, tensors="elements") > 8000
+    assert space.estimate_bytes(views) - space.estimate_bytes({"all": base}) < 1000
+    assert space.estimate_bytes(views, tensors="elements") - space.estimate_bytes({}, tensors="elements") > 8000
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -78,7 +78,7 @@ def test_a_size_estimate_that_fails_skips_the_free_space_check_with_a_warning(tm
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 9]]), torch.ones(2), (10,))
     checkpoint = {"sparse": sparse, **_checkpoint()}
     with pytest.raises(NotImplementedError, match="Cannot access storage of SparseTensorImpl"):
-        storage.estimate_bytes(checkpoint)
+        space.estimate_bytes(checkpoint)
     path = tmp_path / "x.ckpt"
     with caplog.at_level(logging.WARNING, logger=storage.__name__):
         formats.save("full", checkpoint, path, rank=0, world_size=1, gather=lambda obj: [obj], check_free_space=check)
@@ -91,38 +91,38 @@ def test_a_size_estimate_that_fails_skips_the_free_space_check_with_a_warning(tm
 
 
 def test_the_free_space_check_is_on_unless_the_argument_or_the_environment_turns_it_off(monkeypatch):
-    monkeypatch.delenv(storage.CHECK_FREE_SPACE_ENV, raising=False)
-    assert storage.check_free_space_enabled() is True
+    monkeypatch.delenv(space.CHECK_FREE_SPACE_ENV, raising=False)
+    assert space.check_free_space_enabled() is True
     for off in ("0", "false", "OFF", " no "):
-        monkeypatch.setenv(storage.CHECK_FREE_SPACE_ENV, off)
-        assert storage.check_free_space_enabled() is False
-    assert storage.check_free_space_enabled(True) is True  # the argument wins over the environment
-    monkeypatch.setenv(storage.CHECK_FREE_SPACE_ENV, "1")
-    assert storage.check_free_space_enabled() is True
-    assert storage.check_free_space_enabled(False) is False
+        monkeypatch.setenv(space.CHECK_FREE_SPACE_ENV, off)
+        assert space.check_free_space_enabled() is False
+    assert space.check_free_space_enabled(True) is True  # the argument wins over the environment
+    monkeypatch.setenv(space.CHECK_FREE_SPACE_ENV, "1")
+    assert space.check_free_space_enabled() is True
+    assert space.check_free_space_enabled(False) is False
 
 
 # ---------------------------------------------------------------------------------------------------- the message
 def test_the_message_names_the_path_each_cause_once_with_its_ranks_and_what_to_do():
-    space = "no space left on /scratch: needed about 4.2 MiB, 1.1 MiB free"
+    no_space = "no space left on /scratch: needed about 4.2 MiB, 1.1 MiB free"
     enospc = "OSError: [Errno 28] No space left on device"
     failures = [
-        Failure(1, "failed while writing", space, enospc, "free space on /scratch or save elsewhere"),
-        Failure(0, "failed while writing", space, enospc, "free space on /scratch or save elsewhere"),
+        Failure(1, "failed while writing", no_space, enospc, "free space on /scratch or save elsewhere"),
+        Failure(0, "failed while writing", no_space, enospc, "free space on /scratch or save elsewhere"),
         Failure(3, "failed while writing", "", "RuntimeError: boom", "see the error chained on the failed rank"),
     ]
     err = CheckpointSaveError("/scratch/x.ckpt", failures, world_size=4)
     assert str(err) == (
-        f"Cannot save checkpoint '/scratch/x.ckpt': ranks 0, 1 failed while writing: {space} ({enospc}); rank 3 "
+        f"Cannot save checkpoint '/scratch/x.ckpt': ranks 0, 1 failed while writing: {no_space} ({enospc}); rank 3 "
         f"failed while writing: RuntimeError: boom. {NOTHING_COMMITTED} To do: free space on /scratch or save "
         "elsewhere; see the error chained on the failed rank."
     )
     assert isinstance(err, OSError)  # the command line reports it in one line
     assert str(pickle.loads(pickle.dumps(err))) == str(err)  # noqa: S301 - our own bytes
     alone = CheckpointSaveError("/scratch/x.ckpt", failures[1:2], world_size=1)
-    assert str(alone).startswith(f"Cannot save checkpoint '/scratch/x.ckpt': failed while writing: {space}")
-    assert storage.human_bytes(4404019) == "4.2 MiB"
-    assert storage.human_bytes(512) == "512 B"
+    assert str(alone).startswith(f"Cannot save checkpoint '/scratch/x.ckpt': failed while writing: {no_space}")
+    assert space.human_bytes(4404019) == "4.2 MiB"
+    assert space.human_bytes(512) == "512 B"
 
 
 # ------------------------------------------------------------------------------------------- real storage, 1 rank

@@ -41,6 +41,7 @@ from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave, sigterm_later
 
 from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.engine import pieces
 from lightning_gaudi_fsdp.engine.base import of as engine_of
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 
@@ -140,7 +141,7 @@ def raw_checks(
         if rank == 0:
             saved = torch.load(ckpt, weights_only=True)["optimizer"]  # Fabric's layout: keyed by parameter name
             names = formats.param_id_names(other._forward_module)
-            loaded = formats.optimizer_state_by_name(loaded, names)
+            loaded = pieces.optimizer_state_by_name(loaded, names)
             torch.save({"saved": saved, "loaded": loaded}, out / "raw_optimizer.pt")
     except Exception as err:
         seen["optimizer_error"] = f"{type(err).__name__}: {err}"

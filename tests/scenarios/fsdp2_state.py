@@ -18,7 +18,7 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gaudi_fsdp.engine import fsdp2_state
+    from lightning_gaudi_fsdp.engine import fsdp2_state, pieces
 
     cfg = load_config()
     out = Path(cfg["out"])
@@ -48,7 +48,7 @@ def main() -> None:
     # The same full checkpoint saved streamed (checkpoint/streaming.py): read back, it equals the gathered state.
     streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")
     if rank == 0:
-        theirs["optimizer"] = fsdp2_state._keyed_by_id(theirs["optimizer"], fsdp2_state.parameter_names(model))
+        theirs["optimizer"] = pieces.optimizer_state_by_id(theirs["optimizer"], fsdp2_state.parameter_names(model))
         write_json(
             out,
             "fsdp2_state.json",

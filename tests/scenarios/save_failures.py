@@ -28,7 +28,7 @@ from train import leave
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
-from lightning_gaudi_fsdp.checkpoint.storage import CHECK_FREE_SPACE_ENV
+from lightning_gaudi_fsdp.checkpoint.space import CHECK_FREE_SPACE_ENV
 
 
 def _bytes(path: Path) -> int:

@@ -53,6 +53,11 @@ def accumulating(trainer: pl.Trainer) -> bool:
     return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
+def stage_throughputs(monitor: Any) -> list[Any]:
+    """The ``Throughput`` per stage that Lightning's ``ThroughputMonitor.setup`` built (Lightning >= 2.1)."""
+    return list(monitor._throughputs.values())
+
+
 def building_checkpoint_to_save() -> bool:
     """Whether the caller runs inside Lightning's ``dump_checkpoint`` called by ``Trainer.save_checkpoint``, which
     hands the checkpoint straight to ``Strategy.save_checkpoint``: no user code holds it in between."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed
 
 from lightning_gaudi_fsdp import _compat, _exit
-from lightning_gaudi_fsdp.checkpoint import storage
+from lightning_gaudi_fsdp.checkpoint import space, storage
 from lightning_gaudi_fsdp.checkpoint.staging import Defer, DeferredCopies, HostStager
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ class BackgroundSaver:
         blocked = time.monotonic() - started
         log.debug(
             f"[rank {rank}] {str(path)!r}: waited {waited:.3f}s for the previous save, staged "
-            f"{storage.human_bytes(self._stager.nbytes - later.nbytes)} in {blocked - waited:.3f}s, "
-            f"{storage.human_bytes(later.nbytes)} left to copy in the background"
+            f"{space.human_bytes(self._stager.nbytes - later.nbytes)} in {blocked - waited:.3f}s, "
+            f"{space.human_bytes(later.nbytes)} left to copy in the background"
         )
         return blocked
 

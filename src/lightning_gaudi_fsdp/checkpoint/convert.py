@@ -34,7 +34,6 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     bytes_to_write,
     detect_format,
     local_shard_name,
-    optimizer_state_by_name,
     read_local_metadata,
     save_file,
     save_sharded,
@@ -50,6 +49,7 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     is_fabric,
     sharded_view,
 )
+from lightning_gaudi_fsdp.engine.pieces import optimizer_state_by_name
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T], str, int], Iterable[T]]
@@ -244,14 +244,13 @@ def _fsdp2_local_to_full(
 
 
 def _fsdp2_optimizer_to_full(states: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    full: dict[str, dict[str, Any]] = {}
-    for pid, name in enumerate(names):
+    full: dict[int, dict[str, Any]] = {}
+    for pid in range(len(names)):
         entries = [s["state"].get(pid, {}) for s in states]
         for key, first in entries[0].items():
             whole = first.dim() > 0 if isinstance(first, torch.Tensor) else False
-            full.setdefault(name, {})[key] = torch.cat([e[key] for e in entries], dim=0) if whole else first
-    groups = [{**g, "params": [names[pid] for pid in g["params"]]} for g in states[0]["param_groups"]]
-    return {"state": full, "param_groups": groups}
+            full.setdefault(pid, {})[key] = torch.cat([e[key] for e in entries], dim=0) if whole else first
+    return optimizer_state_by_name({"state": full, "param_groups": states[0]["param_groups"]}, names)
 
 
 def _local_optimizer_to_full(
@@ -305,7 +304,7 @@ def convert(
     a Trainer checkpoint as the Trainer's; see :mod:`.views`); ``dst`` appears only once complete. ``src`` is unpickled
     with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. A write that
     fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
-    :func:`~.storage.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
+    :func:`~.space.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
     src, dst = Path(src), Path(dst)
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, storage
+from lightning_gaudi_fsdp.checkpoint import commit, space, storage
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -96,15 +96,6 @@ def param_id_names(model: Module, optimizer: Optimizer | None = None) -> list[st
     if optimizer is None:
         return [names[id(p)] for p in model.parameters()]
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter id, keyed by parameter name instead."""
-    return {
-        **state,
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
 
 
 def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -178,14 +169,14 @@ def bytes_to_write(
     """About how many bytes ``rank`` writes when saving ``checkpoint`` in ``fmt`` (rank 0 also writes what is not
     sharded)."""
     if fmt == "full":
-        return storage.estimate_bytes(checkpoint) if rank == 0 else 0
+        return space.estimate_bytes(checkpoint) if rank == 0 else 0
     model_state, optimizer_states, rest = _split_state(checkpoint)
     if fmt == "sharded":
-        own = storage.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
+        own = space.estimate_bytes(_dcp_state(checkpoint, model_state, optimizer_states), tensors="elements")
     else:
-        own = storage.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
+        own = space.estimate_bytes({"model": model_state, "optimizer_states": optimizer_states})
     if rank == 0:
-        own += storage.estimate_bytes(rest) + len(json.dumps(dict(local_metadata or {}), default=str))
+        own += space.estimate_bytes(rest) + len(json.dumps(dict(local_metadata or {}), default=str))
     return own
 
 

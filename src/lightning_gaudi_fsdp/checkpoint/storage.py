@@ -8,9 +8,8 @@ the rank's own exception chained. Rank 0 removes the staging location only after
 into it any more, so clean-up never causes a second error that hides the first.
 
 Before anything is written, every rank reports the bytes it is about to write and the free space of its target file
-system; a file system that cannot hold what its ranks write refuses the save. ``check_free_space=False`` on the
-strategy (or ``convert``), or ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE=0``, turns that check off for file systems that
-report free space wrongly. :func:`zip_checksums` switches off ``torch.save``'s CRC32 of each record while a checkpoint
+system (both measured by :mod:`.space`); a file system that cannot hold what its ranks write refuses the save
+(:func:`shortfalls`). :func:`zip_checksums` switches off ``torch.save``'s CRC32 of each record while a checkpoint
 is written (``checkpoint_crc32=False``, the default): ``torch.load`` never checks them, and computing them took about
 as long as writing the bytes. Nothing here knows state-dict formats.
 """
@@ -21,171 +20,27 @@ import contextlib
 import errno
 import logging
 import os
-import pickle
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit
+from lightning_gaudi_fsdp.checkpoint import commit, space
+from lightning_gaudi_fsdp.checkpoint.space import Plan, human_bytes, needed_together, same_file_system
 
 log = logging.getLogger(__name__)
 
-CHECK_FREE_SPACE_ENV = "LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE"
-# Per tensor: zip record headers, alignment and rebuild arguments ("storage", torch.save); torch's distributed
-# checkpoint writes each tensor as its own small torch.save archive plus its metadata entry ("elements").
-_PER_TENSOR_BYTES = {"storage": 256, "elements": 2048}
-_PER_FILE_BYTES = 4096  # zip or DCP framing, and the last partly used block of the file
 _FULL_BELOW_BYTES = 64 * 1024  # after a write failed without an errno, a file system with less free is taken as full
 
 Gather = Callable[[Any], list[Any]]
-
-
-def check_free_space_enabled(explicit: bool | None = None) -> bool:
-    """Whether a save compares its size with the free space first. Precedence: ``explicit`` (the ``check_free_space``
-    argument of the strategy or of ``convert``), then ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0``, ``false``,
-    ``no`` or ``off`` turn the check off), then on."""
-    if explicit is not None:
-        return explicit
-    return os.environ.get(CHECK_FREE_SPACE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-# ------------------------------------------------------------------------------------------------ size estimate
-class ByteCounter:
-    """A file-like sink that only counts what is written to it (for pickling passes that need no output)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
-        self.count += size
-        return size
-
-
-def local_tensors(value: Any) -> list[torch.Tensor] | None:
-    """The tensors this rank holds of ``value`` (a sharded or distributed tensor's local part); None for a
-    non-tensor."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    if hasattr(value, "local_shards"):  # ShardedTensor: this rank's shards
-        return [shard.tensor for shard in value.local_shards()]
-    if hasattr(value, "to_local"):  # DTensor
-        return [value.to_local()]
-    return [value]
-
-
-def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage") -> int:
-    """About how many bytes saving ``obj`` writes. ``"storage"``: as ``torch.save`` (each tensor's whole storage, once
-    per storage); ``"elements"``: as torch's distributed checkpoint (each tensor's own elements; a sharded or
-    distributed tensor counts its local part). Everything else is measured by pickling it with the tensors left out.
-
-    Raises what that pass raises (a tensor without a storage, such as a sparse one; an object that cannot be
-    pickled): a count that stopped there would be too small. A save then skips its free-space check with a warning
-    (see :func:`write_atomically`)."""
-    seen: set[tuple[int, int]] = set()
-    totals = {"bytes": 0, "tensors": 0}
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, value: Any) -> Any:
-            local = local_tensors(value)
-            if local is None:
-                return None
-            for tensor in local:
-                totals["tensors"] += 1
-                if tensor.is_meta:
-                    continue
-                if tensors == "elements":
-                    totals["bytes"] += tensor.numel() * tensor.element_size()
-                    continue
-                storage = tensor.untyped_storage()
-                key = (storage.data_ptr(), storage.nbytes())
-                if key not in seen:
-                    seen.add(key)
-                    totals["bytes"] += storage.nbytes()
-            return totals["tensors"]
-
-    sink = ByteCounter()
-    _Pickler(sink, protocol=2).dump(obj)
-    return sink.count + totals["bytes"] + totals["tensors"] * _PER_TENSOR_BYTES[tensors] + _PER_FILE_BYTES
-
-
-# ------------------------------------------------------------------------------------------------ file systems
-@dataclass(frozen=True)
-class Target:
-    """The file system a rank writes to, as that rank sees it before the save."""
-
-    host: str
-    device: int
-    mount: str
-    free: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one rank is about to write (``needed`` bytes; None: its estimate failed), and where."""
-
-    rank: int
-    target: Target
-    needed: int | None
-    check: bool
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _mount_point(path: Path) -> Path:
-    path = _nearest_existing(path)
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _free_bytes(path: Path) -> int:
-    vfs = os.statvfs(_nearest_existing(path))
-    return vfs.f_bavail * vfs.f_frsize
-
-
-def _read_only(path: Path) -> bool:
-    return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
-
-
-def probe(path: Path) -> Target:
-    """The file system holding ``path`` (or its nearest existing parent): node, device, mount point, free bytes."""
-    existing = _nearest_existing(path)
-    return Target(socket.gethostname(), os.stat(existing).st_dev, str(_mount_point(existing)), _free_bytes(existing))
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{n} B"
-
-
-def _same_file_system(plans: Sequence[Plan], target: Target) -> list[Plan]:
-    return [p for p in plans if (p.target.host, p.target.device) == (target.host, target.device)]
 
 
 def _no_space(mount: str, needed: int | None, free: int | None) -> str:
     if needed is None or free is None:
         return f"no space left on {mount}"
     return f"no space left on {mount}: needed about {human_bytes(needed)}, {human_bytes(free)} free"
-
-
-def _needed(plans: Sequence[Plan]) -> int | None:
-    """The bytes ``plans`` write together; None when any of their estimates failed."""
-    sizes = [p.needed for p in plans]
-    return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
 
 
 def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
@@ -197,14 +52,14 @@ def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
         if key in done:
             continue
         done.add(key)
-        group = _same_file_system(plans, plan.target)
-        needed, free = _needed(group), min(p.target.free for p in group)
+        group = same_file_system(plans, plan.target)
+        needed, free = needed_together(group), min(p.target.free for p in group)
         if needed is None or needed <= free:  # an estimate that failed was reported when it failed
             continue
         mount = plan.target.mount
         advice = (
             f"free space on {mount} or save elsewhere; if this file system reports its free space wrongly, pass "
-            f"check_free_space=False (strategy or convert) or set {CHECK_FREE_SPACE_ENV}=0"
+            f"check_free_space=False (strategy or convert) or set {space.CHECK_FREE_SPACE_ENV}=0"
         )
         cause = _no_space(mount, needed, free)
         failures += [Failure(p.rank, "refused before writing", cause, "", advice) for p in group if p.needed]
@@ -331,7 +186,7 @@ class _Attempt:
                 if before is not None:
                     before()
                 commit.prepare_staging(self.path, self.directory)
-            return Plan(self.rank, probe(self.path.parent), self.estimate(needed, check), check)
+            return Plan(self.rank, space.probe(self.path.parent), self.estimate(needed, check), check)
 
         self.plans = self.step("failed while preparing", plan)
         if self.plans[0].check:  # rank 0 decides, so every rank takes the same branch
@@ -394,15 +249,15 @@ class _Attempt:
     def _cause(self, error: BaseException, staging_made: bool) -> tuple[str, str]:
         own = next((p for p in self.plans if p.rank == self.rank), None)
         where = self.staging if self.directory else self.path.parent
-        mount = own.target.mount if own else str(_mount_point(where))
-        needed = _needed(_same_file_system(self.plans, own.target)) if own else None
-        space = (_no_space(mount, needed, own.target.free if own else None), f"free space on {mount} or save elsewhere")
+        mount = own.target.mount if own else str(space.mount_point(where))
+        needed = needed_together(same_file_system(self.plans, own.target)) if own else None
+        full = (_no_space(mount, needed, own.target.free if own else None), f"free space on {mount} or save elsewhere")
         read_only = (f"{mount} is a read-only file system", f"remount {mount} read-write or save elsewhere")
         gone = self._vanished(staging_made)
         os_error = _os_error_in(error)
         code = os_error.errno if os_error is not None else None
         if code in (errno.ENOSPC, errno.EDQUOT):
-            return space
+            return full
         if code == errno.EROFS:
             return read_only
         if code in (errno.EACCES, errno.EPERM):
@@ -417,12 +272,12 @@ class _Attempt:
         if gone is not None:
             return gone
         if code is None:  # torch's file writer reports no errno ("unexpected pos ..."): look at the target itself
-            if _read_only(where):
+            if space.read_only(where):
                 return read_only
-            if not os.access(_nearest_existing(where), os.W_OK):
+            if not os.access(space.nearest_existing(where), os.W_OK):
                 return f"permission denied for {str(where)!r}", f"make {str(where)!r} writable or save elsewhere"
-            if _free_bytes(where) < max(own.needed or 0 if own else 0, _FULL_BELOW_BYTES):
-                return space
+            if space.free_bytes(where) < max(own.needed or 0 if own else 0, _FULL_BELOW_BYTES):
+                return full
         return "", ""
 
     def _vanished(self, staging_made: bool) -> tuple[str, str] | None:
@@ -481,7 +336,7 @@ def write_atomically(
     checked; the save goes on (and reports what it cannot write, if anything)."""
     path = Path(path)
     attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
-    attempt.prepare(before, needed, check_free_space_enabled(check_free_space))
+    attempt.prepare(before, needed, space.check_free_space_enabled(check_free_space))
     for write in writes:
         attempt.step("failed while writing", write)
     attempt.step("failed while committing", lambda: commit.commit(attempt.staging, path) if rank == 0 else None)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters import torch_internals
-from lightning_gaudi_fsdp.checkpoint.storage import ByteCounter
+from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     SHARDED_METADATA,
     WORLD_SIZE_KEY,
     CheckpointError,
-    optimizer_state_by_name,
 )
 from lightning_gaudi_fsdp.checkpoint.trust import load_file
+from lightning_gaudi_fsdp.engine.pieces import optimizer_state_by_name
 
 FABRIC_KEYS = "gaudi_fsdp_fabric_keys"  # internal view (top level of 0.x Fabric files): where Fabric's entries went
 DCP_KEYS = "gaudi_fsdp_dcp_keys"  # internal view of a sharded checkpoint: the model's and optimizers' DCP keys

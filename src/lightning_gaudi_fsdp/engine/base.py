@@ -25,6 +25,25 @@ class Engine(Protocol):
     def owns(self, model: Module) -> bool:
         """Whether ``model`` already holds units of this engine (set up before, or wrapped by hand)."""
 
+    def check_arguments(
+        self,
+        *,
+        sharding_strategy: Any,
+        process_group: Any,
+        backward_prefetch: Any,
+        limit_all_gathers: bool,
+        use_orig_params: bool,
+        state_dict_type: str,
+        device_mesh: Any,
+    ) -> None:
+        """Refuse resolved arguments this engine cannot honour (with the argument, the value and what to use)."""
+
+    def mixed_precision_config(self, mixed_precision: Any) -> Any:
+        """FSDP1's ``MixedPrecision`` from the ``mixed_precision`` argument (None for FSDP2)."""
+
+    def mixed_precision_policy(self, mixed_precision: Any) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` from the ``mixed_precision`` argument (None for FSDP1)."""
+
     def shard(self, door: Any, model: Module) -> Module:
         """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
 

@@ -12,7 +12,7 @@ import torch
 from torch.nn import Module
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp import _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals, torch_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp1_state
@@ -27,6 +27,15 @@ class FSDP1:
     def owns(self, model: Module) -> bool:
         return any(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
 
+    def check_arguments(self, *, sharding_strategy: Any, state_dict_type: str, device_mesh: Any, **_: Any) -> None:
+        options.check_state_dict_type(state_dict_type, sharding_strategy, device_mesh)
+
+    def mixed_precision_config(self, mixed_precision: Any) -> Any:
+        return options.resolve_mixed_precision(mixed_precision)
+
+    def mixed_precision_policy(self, mixed_precision: Any) -> None:
+        return None
+
     def shard(self, door: Any, model: Module) -> Module:
         return wrap(door, model)
 
@@ -35,7 +44,7 @@ class FSDP1:
         ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
         activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
         a model the strategy wraps, and the batch dtypes kept at the root."""
-        _sharding.plan_pretrained(door, model)  # refuses pretrained_weights for a model wrapped by hand
+        _sharding.refuse_pretrained_when_wrapped(door)
         model = lightning_setup(model)
         if door._activation_checkpointing_kwargs:
             door._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -147,6 +156,11 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
     }
+
+
+def root_of(model: Module) -> Module | None:
+    """``model`` when it is an FSDP root (wrapped by the strategy, or whole by hand), else None."""
+    return model if isinstance(model, fsdp1_internals.fsdp_class()) else None
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
-from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces
+from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces, param_groups_by_id
 
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -342,8 +342,5 @@ def full_optimizer_state_dict(
     for param in model.parameters():  # parameters FSDP does not manage keep their state as it is
         if id(param) not in params and param in optimizer.state:
             state[ids[id(param)]] = dict(optimizer.state[param])
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": sorted(ids[id(p)] for p in group["params"])}
-        for group in optimizer.param_groups
-    ]
+    groups = param_groups_by_id(optimizer.param_groups, ids, sort=True)
     return {"state": dict(sorted(state.items())), "param_groups": groups}

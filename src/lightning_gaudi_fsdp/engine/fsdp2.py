@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _sharding
+from lightning_gaudi_fsdp import _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
@@ -173,6 +173,15 @@ class FSDP2:
 
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
+
+    def check_arguments(self, *, state_dict_type: str, device_mesh: Any, **checked: Any) -> None:
+        options.check_fsdp2_arguments(**checked)  # state_dict_type, device_mesh: nothing FSDP2 refuses here
+
+    def mixed_precision_config(self, mixed_precision: Any) -> None:
+        return None
+
+    def mixed_precision_policy(self, mixed_precision: Any) -> Any:
+        return options.resolve_mixed_precision_policy(mixed_precision)
 
     def shard(self, door: Any, model: Module) -> Module:
         return shard(door, model)

@@ -16,7 +16,7 @@ every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -24,7 +24,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces
+from lightning_gaudi_fsdp.engine.pieces import (
+    chunk_spans,
+    gather_pieces,
+    optimizer_state_by_id,
+    optimizer_state_by_name,
+    param_groups_by_id,
+)
 
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -138,8 +144,8 @@ def full_model_state_dict(model: Module, stream: FullStream | None = None) -> di
 
 def full_optimizer_state_dict(model: Module, optimizer: Optimizer, stream: FullStream | None = None) -> dict[str, Any]:
     """The full optimizer state on rank 0 (``{}`` elsewhere) keyed by the index of each parameter in
-    ``model.parameters()``, as torch's full optimizer state dict rekeyed by :func:`_keyed_by_id`, gathered as
-    :func:`full_model_state_dict` gathers weights."""
+    ``model.parameters()``, as torch's full optimizer state dict rekeyed by :func:`.pieces.optimizer_state_by_id`,
+    gathered as :func:`full_model_state_dict` gathers weights."""
     import torch.distributed as dist
 
     ids = {id(p): i for i, p in enumerate(model.parameters())}
@@ -155,11 +161,7 @@ def full_optimizer_state_dict(model: Module, optimizer: Optimizer, stream: FullS
     state: dict[int, dict[str, Any]] = {}
     for (index, key, _), value in zip(entries, values, strict=True):
         state.setdefault(index, {})[key] = value.to("cpu") if isinstance(value, torch.Tensor) else value
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [ids[id(p)] for p in group["params"]]}
-        for group in optimizer.param_groups
-    ]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": param_groups_by_id(optimizer.param_groups, ids)}
 
 
 def model_state_dict(model: Module, fmt: str, stream: FullStream | None = None) -> dict[str, Any]:
@@ -191,27 +193,7 @@ def optimizer_state_dict(
     state = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return {}
-    return _keyed_by_id(state, parameter_names(model))
-
-
-def _keyed_by_id(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    ids = {name: i for i, name in enumerate(names)}
-    return {
-        **state,
-        "state": {ids[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def _keyed_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    def name(key: Any) -> str:
-        return names[key] if isinstance(key, int) else key
-
-    return {
-        **state,
-        "state": {name(k): v for k, v in state["state"].items()},
-        "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in state["param_groups"]],
-    }
+    return optimizer_state_by_id(state, parameter_names(model))
 
 
 def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
@@ -227,7 +209,7 @@ def load_full(model: Module, state: Mapping[str, Any], strict: bool) -> None:
 def load_full_optimizer(model: Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    named = _keyed_by_name(state, parameter_names(model))
+    named = optimizer_state_by_name(state, parameter_names(model))
     set_optimizer_state_dict(model, optimizer, named, options=_options(full_state_dict=True))
 
 

@@ -1,9 +1,12 @@
-"""Engine-neutral arithmetic and collectives both engines' state-dict code shares: where ``torch.chunk`` cuts a
-flattened tensor among ranks, and sending each rank's pieces of a tensor straight into one full tensor on rank 0."""
+"""Engine-neutral arithmetic and collectives that both engines' state-dict code and the checkpoint package share:
+where ``torch.chunk`` cuts a flattened tensor among ranks, keying an optimizer state by parameter id or by parameter
+name, and sending each rank's pieces of a tensor straight into one full tensor on rank 0. It imports nothing of the
+package, so any module may use it without an import circle."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +20,36 @@ def chunk_spans(total: int, parts: int, unit: int = 1) -> tuple[tuple[int, int],
     ``torch.chunk`` cuts them (FSDP1 its flat parameter, ``unit=1``; FSDP2 a parameter's dim 0)."""
     chunk = math.ceil(total / parts)
     return tuple((min(r * chunk, total) * unit, min((r + 1) * chunk, total) * unit) for r in range(parts))
+
+
+def _rekeyed(state: Mapping[str, Any], key: Callable[[Any], Any]) -> dict[str, Any]:
+    return {
+        **state,
+        "state": {key(k): value for k, value in state["state"].items()},
+        "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter id (``state`` and each group's ``params``), keyed by parameter name
+    instead (``names[id]``); keys that already are names stay."""
+    return _rekeyed(state, lambda k: names[k] if isinstance(k, int) else k)
+
+
+def optimizer_state_by_id(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name, keyed by each name's index in ``names`` instead."""
+    ids = {name: i for i, name in enumerate(names)}
+    return _rekeyed(state, ids.__getitem__)
+
+
+def param_groups_by_id(groups: Sequence[Mapping[str, Any]], ids: Mapping[int, int], sort: bool = False) -> list[Any]:
+    """A live optimizer's ``param_groups`` as ``optimizer.state_dict()`` writes them: the hyperparameters, then
+    ``params`` as ids (``ids[id(param)]``; ascending with ``sort``)."""
+    out = []
+    for group in groups:
+        params = [ids[id(p)] for p in group["params"]]
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": sorted(params) if sort else params})
+    return out
 
 
 def gather_pieces(
