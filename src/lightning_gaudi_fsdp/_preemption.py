@@ -36,6 +36,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_gaudi_fsdp import _exit as at_exit
 from lightning_gaudi_fsdp import _liveness, _liveness_store
 from lightning_gaudi_fsdp.adapters import lightning_internals
 
@@ -107,6 +108,7 @@ class Preemption:
         self._previous_handler = signal.signal(signal.SIGTERM, self._handle)
         self._thread = threading.Thread(target=self._watch, name="lgf-preemption", daemon=True)
         self._thread.start()
+        at_exit.close_at_exit(self.stop)  # a door never torn down (Fabric): stopped before the interpreter shuts down
 
     def take_over(self) -> None:
         """Put this handler back in front, replacing Lightning's (set in ``Trainer._run``, after setup): Lightning's
@@ -121,6 +123,8 @@ class Preemption:
             return
         self._stop.set()
         self._thread.join(timeout=2 * _POLL_S + 1)
+        if self._thread.is_alive():  # inside a store request: a daemon thread there when Python shuts down aborts it
+            log.warning("lightning_gaudi_fsdp: the preemption watcher did not stop within its bound")
         if not self.flagged:  # a last look: a rank signalled while this one finished its last step
             with contextlib.suppress(Exception):
                 self._notice()

@@ -221,6 +221,7 @@ def test_a_background_save_still_writing_when_the_script_ends_is_committed_at_ex
             "save_after_epoch": 2,
             "slow_writes": 2.0,
             "exit_normally": True,
+            "late_collective": True,
         },
         script=FABRIC,
         expect_ok=False,

@@ -237,6 +237,16 @@ def record_what_outlives(out: Path) -> None:
     atexit.register(record)
 
 
+def a_late_collective(seconds: float = 0.5) -> None:
+    """End with a collective still finishing on gloo's worker thread: an all-reduce whose completion callback runs
+    there for ``seconds`` while this thread returns as soon as the result is in (what a worker the scheduler pauses
+    before it frees the work's tensors does by chance). A process that shuts Python down meanwhile aborts."""
+    tensor = torch.ones(1)
+    future = torch.distributed.all_reduce(tensor, async_op=True).get_future()
+    future.then(lambda _: time.sleep(seconds))
+    future.wait()
+
+
 def write_json(out: Path, name: str, data: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{name}.tmp"

@@ -28,7 +28,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import Module, RandomRegression, StreamedSaves, load_config, record_what_outlives, write_json
+from common import (
+    Module,
+    RandomRegression,
+    StreamedSaves,
+    a_late_collective,
+    load_config,
+    record_what_outlives,
+    write_json,
+)
 from torch import nn
 from train import arm_slow_copies, arm_write_probes, leave, sigterm_later
 
@@ -322,6 +330,8 @@ def main() -> None:
 
     if cfg.get("exit_normally"):  # no teardown, no os._exit: only the interpreter's exit waits for a background save
         write_json(out, f"rank{rank}.json", info)
+        if cfg.get("late_collective"):
+            a_late_collective()
         return
     if cfg.get("raw_checks"):
         info["raw"] = raw_checks(fabric, model, optimizer, out, cfg["load"], at_load)

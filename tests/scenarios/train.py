@@ -17,6 +17,7 @@ from common import (
     Block,
     Module,
     StreamedSaves,
+    a_late_collective,
     load_config,
     record_what_outlives,
     status_bytes,
@@ -679,6 +680,8 @@ def main() -> None:
     if cfg.get("save_path"):
         trainer.save_checkpoint(cfg["save_path"])
     if cfg.get("exit_normally"):  # a plain script: no destroy_process_group, no os._exit
+        if cfg.get("late_collective"):
+            a_late_collective()
         return
     model = trainer.strategy.model
     opt = trainer.optimizers[0]

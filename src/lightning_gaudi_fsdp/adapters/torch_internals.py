@@ -16,6 +16,25 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+# ------------------------------------------------------------------------------------------------ c10d's threads
+# The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``) on 2.13 and 2.14;
+# 2.6 and 2.9 leave them unnamed (they carry the process's name). ``_exit`` waits for them to go idle at exit.
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+
+def gloo_groups_exist() -> bool:
+    """Whether any process group of this process (the default one or another) runs on gloo (``_world.pg_map``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return any("gloo" in str(dist.get_backend(group)) for group in groups)
+    except Exception:  # noqa: BLE001 - a group being torn down: assume gloo (the wait at exit is bounded)
+        return True
+
+
 # ------------------------------------------------------------------------------------------- torch.save internals
 # torch.serialization._save's parameters, as the streaming writer calls it (checked on torch 2.6, 2.9, 2.13, 2.14).
 SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
