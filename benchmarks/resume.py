@@ -6,8 +6,9 @@ fresh ``fit`` and a ``fit(ckpt_path=...)`` of one step each, timed from ``on_fit
 it) to the first ``on_train_batch_start``: the resume's difference is the time it adds before training starts. The
 baseline is ``torch.load`` of this rank's share of the same state from one plain file (the rank's file of the local
 checkpoint: its shard of the weights and of the AdamW state). A checkpoint written elsewhere (``cfg["ckpts"]``, a
-reshard) is resumed the same way at this world size. ``BENCH_PROFILE_RESUME=<format>`` writes a cProfile of rank 0's
-resume of that format to ``BENCH_PROFILE_DIR``.
+reshard) is resumed the same way at this world size. With ``cfg["memory"]``, one more resume per format measures
+the memory restoring needs beyond what training then holds. ``BENCH_PROFILE_RESUME=<format>`` writes a cProfile of
+rank 0's resume of that format to ``BENCH_PROFILE_DIR``.
 """
 
 from __future__ import annotations
@@ -65,15 +66,20 @@ def _module(cfg: dict[str, Any]) -> Any:
 
 class _Window:
     """Seconds from ``on_fit_start`` (Lightning restores a checkpoint after it) to the first training batch; with
-    ``profile``, a cProfile of that window."""
+    ``profile``, a cProfile of that window; with ``memory``, the peak anonymous memory (sampled) the process added in
+    that window above what it holds at the first batch (``restore_extra``: what restoring needed only while it ran)."""
 
-    def __new__(cls, profile: Path | None = None) -> Any:
+    def __new__(cls, profile: Path | None = None, memory: bool = False) -> Any:
         from lightning.pytorch.callbacks import Callback
+        from peaks import Peaks
 
         class Window(Callback):
             seconds = 0.0
+            restore_extra = 0
 
             def on_fit_start(self, *args: Any) -> None:
+                if memory:
+                    self.peaks = Peaks().__enter__()
                 if profile is not None:
                     import cProfile
 
@@ -84,6 +90,10 @@ class _Window:
             def on_train_batch_start(self, *args: Any) -> None:
                 if self.seconds == 0.0:
                     self.seconds = time.perf_counter() - self.start
+                    if memory:
+                        held = self.peaks.held()
+                        self.peaks.__exit__()
+                        self.restore_extra = max(self.peaks.anon - held, 0)
                     if profile is not None:
                         import pstats
 
@@ -129,6 +139,14 @@ def _window(cfg: dict[str, Any], engine: str, ckpt: str | None, profile: Path | 
     return _slowest(callback.seconds)
 
 
+def _restore_extra(cfg: dict[str, Any], engine: str, ckpt: str) -> float:
+    """The largest ``restore_extra`` (bytes) of any rank over one resume of ``ckpt``, in a fit of its own (the
+    sampling thread stays out of the timed windows)."""
+    callback = _Window(memory=True)
+    _trainer(cfg, engine, callback, max_steps=2).fit(_module(cfg), ckpt_path=ckpt)
+    return _slowest(float(callback.restore_extra))
+
+
 def _torch_load(file: Path) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -163,6 +181,8 @@ def resume(rank: int, cfg: dict[str, Any]) -> None:
             resumed = _window(cfg, engine, ckpt, profile)
             load = _torch_load(share) if share.is_file() else float("nan")
             rows[fmt].append({"fresh_s": fresh, "resume_s": resumed, "added_s": resumed - fresh, "torch_load_s": load})
+    memory = {fmt: _restore_extra(cfg, engine, ckpt) for fmt, ckpt in ckpts.items()} if cfg.get("memory") else {}
     if rank == 0:
         share_bytes = share.stat().st_size if share.is_file() else 0
-        Path(cfg["result"]).write_text(__import__("json").dumps({"rows": rows, "share_bytes": share_bytes}))
+        result = {"rows": rows, "share_bytes": share_bytes, "restore_extra": memory}
+        Path(cfg["result"]).write_text(__import__("json").dumps(result))

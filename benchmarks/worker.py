@@ -15,7 +15,6 @@ with ``from_pretrained`` on every rank).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import raw  # noqa: E402
 import resume  # noqa: E402
 from models import batch, build, loss_fn  # noqa: E402
+from peaks import Peaks, reset_rss_peak, status_bytes  # noqa: E402
 
 FSDP_VERSION = {"fsdp1": 1, "fsdp2": 2}
 FORMATS = ("full", "sharded", "local")
@@ -39,19 +39,6 @@ FORMATS = ("full", "sharded", "local")
 
 def _write(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     Path(cfg["result"]).write_text(json.dumps(result))
-
-
-def _status_bytes(field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_rss_peak() -> None:
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
 
 
 # ------------------------------------------------------------------------------------------------------ Lightning
@@ -190,8 +177,8 @@ def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], prof
     if trainer.global_rank == 0:
         _remove(path)
     profile = profile and os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
-    _reset_rss_peak()
-    before = _status_bytes("VmRSS")
+    reset_rss_peak()
+    before = status_bytes("VmRSS")
     if profile:
         import cProfile
 
@@ -205,7 +192,7 @@ def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], prof
         profile_dir = Path(os.environ.get("BENCH_PROFILE_DIR", path.parent))
         with open(profile_dir / f"profile-{cfg['engine']}-{fmt}.txt", "w") as handle:
             pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(40)
-    peak = _status_bytes("VmHWM") - before  # what the save added on top of the trained model
+    peak = status_bytes("VmHWM") - before  # what the save added on top of the trained model
     load_s = _sync_time(lambda: strategy.load_checkpoint(path))
     return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
 
@@ -320,42 +307,6 @@ def load_sharded(rank: int, cfg: dict[str, Any]) -> None:
     _leave()
 
 
-class _Peaks:
-    """Peaks of anonymous memory (``RssAnon``: what the process allocates) and of resident memory including mapped
-    file pages (``RssAnon + RssFile``; file pages are the page cache, shared by every rank reading the same file),
-    sampled every 2 ms while active, above what the process held before."""
-
-    def __enter__(self) -> _Peaks:
-        import threading
-
-        self._base = self._now()
-        self.anon = self.resident = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _now() -> tuple[int, int]:
-        anon = _status_bytes("RssAnon")
-        return anon, anon + _status_bytes("RssFile")
-
-    def _sample(self) -> None:
-        anon, resident = self._now()
-        self.anon = max(self.anon, anon - self._base[0])
-        self.resident = max(self.resident, resident - self._base[1])
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(0.002)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
 def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
     """Fabric door: ``contender="strategy"`` builds the Llama under ``init_module()`` with ``pretrained_weights``
     (meta parameters, each rank reads its slices); ``"from_pretrained"`` has every rank load the whole model with
@@ -372,7 +323,7 @@ def pretrained_load(rank: int, cfg: dict[str, Any]) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=cfg["world_size"], strategy=GaudiFSDPStrategy(**args))
     fabric.launch()
     started = time.perf_counter()
-    with _Peaks() as peak:
+    with Peaks() as peak:
         if cfg["contender"] == "strategy":
             with fabric.init_module():
                 model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(cfg["weights"]))

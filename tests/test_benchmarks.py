@@ -104,3 +104,32 @@ def test_pretrained_benchmark_smoke_run(tmp_path):
         assert row["shard_bytes"] == pytest.approx(section["model_bytes"] / 2, rel=0.1)  # each rank: its half
         assert row["peak_added"] > 0
     assert "pretrained weights in" in proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_benchmark_smoke_run_prints_every_row(tmp_path):
+    """The resume section (``--smoke --only resume``: 2 and 4 layers of width 32, both engines, sharded and local,
+    the reshards, the memory restoring needs): its table and summary rows are printed and the JSON holds every
+    number. About 50 CPU seconds (its workers import transformers and run about 40 fits): under ``-m slow``."""
+    pytest.importorskip("transformers")
+    proc, results = _smoke(tmp_path, "resume")
+    section = results["resume"]
+    assert section["layers"] == [2, 4]
+    header = proc.stdout[proc.stdout.index("== resume") :].splitlines()[1].split()
+    assert header[:4] == ["engine", "/", "layers", "share"]
+    for engine in ENGINES:
+        for n in (2, 4):
+            assert f"{engine.upper()} {n} " in proc.stdout
+            row = section[engine][str(n)]
+            assert row["share_bytes"] > 0
+            for fmt in ("sharded", "local"):
+                assert isinstance(row[fmt]["added_s"], float)  # a difference of two times: tiny runs can be < 0
+                assert row[fmt]["torch_load_s"] > 0
+                assert row[fmt]["restore_extra_vs_share"] >= 0
+        assert set(section[engine]["reshard"]) == {"2->1", "2->4"}
+        for key in ("2->1", "2->4"):
+            assert f"{engine.upper()} {key}" in proc.stdout
+    for fmt in ("sharded", "local"):
+        for what in ("time added / torch.load of the rank's share", "memory only while restoring / the rank's share"):
+            assert f"{fmt} resume: {what}, 2 and 4 layers" in proc.stdout
+    assert "sharded resume 2->4 ranks / same-size resume, 4 layers" in proc.stdout

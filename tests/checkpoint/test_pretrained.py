@@ -248,3 +248,42 @@ def test_adapters_whose_initialisation_needs_the_base_weights_are_refused(llama_
         "whose initialisation (DoRA magnitude) needs the base weights; with pretrained_weights, adapters support "
         "init_lora_weights=True, False or 'gaussian'"
     )
+
+
+_OPENED: list[str] | None = None  # while a test counts: every file path opened (the audit hook cannot be removed)
+
+
+def _count_opens(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], str | bytes | Path):
+        _OPENED.append(str(args[0] if not isinstance(args[0], bytes) else args[0].decode()))
+
+
+def test_a_sharded_checkpoint_source_reads_its_metadata_once_not_per_tensor(tmp_path):
+    """Issue 31: ``pretrained_weights`` from a sharded checkpoint reads ``.metadata`` (several MB at a 70B model's 723
+    tensors) once, not once per tensor read. Counted with an audit hook on ``open``, the weights checked bitwise."""
+    global _OPENED
+    import sys
+
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
+    reference = llama(num_hidden_layers=6)
+    state = {f"model.{k}": v for k, v in reference.state_dict().items()}
+    torch.save({"state_dict": state, "global_step": 1, "pytorch-lightning_version": "2.6.6"}, tmp_path / "run.ckpt")
+    convert(tmp_path / "run.ckpt", tmp_path / "sharded", "sharded")
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama(num_hidden_layers=6)
+
+    model = on_meta(Wrapper)
+    sys.addaudithook(_count_opens)
+    _OPENED = []
+    try:
+        materialise_and_load(model, pretrained.resolve(tmp_path / "sharded"))
+        opened = list(_OPENED)
+    finally:
+        _OPENED = None
+    assert len(state) > 50
+    assert [Path(p).name for p in opened].count(".metadata") == 1, opened
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.model.state_dict().items())

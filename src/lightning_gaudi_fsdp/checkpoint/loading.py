@@ -85,12 +85,15 @@ def check_sharded(
         raise
     except Exception as err:
         raise CheckpointError(path, f"the distributed-checkpoint metadata (.metadata) is unreadable: {err}") from err
+    ends: dict[str, int] = {}  # each shard file's last byte any entry needs: one stat per file, not per entry
     for info in metadata.storage_data.values():
-        file = path / info.relative_path
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for relative, end in ends.items():
+        file = path / relative
         if not file.is_file():
-            raise CheckpointError(path, f"shard file {info.relative_path!r} is missing")
-        if file.stat().st_size < info.offset + info.length:
-            raise CheckpointError(path, f"shard file {info.relative_path!r} is truncated")
+            raise CheckpointError(path, f"shard file {relative!r} is missing")
+        if file.stat().st_size < end:
+            raise CheckpointError(path, f"shard file {relative!r} is truncated")
     if weights_only:
         check_distributed_entries(path, metadata, reader=reader)
     view = with_dcp_keys(view, list(metadata.state_dict_metadata), *hints)
@@ -100,9 +103,18 @@ def check_sharded(
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
-    expected = {k: tuple(v.size()) for k, v in model_state.items() if hasattr(v, "size")}
+    expected = {k: _global_shape(v) for k, v in model_state.items() if hasattr(v, "size")}
     check_state_keys(path, saved, expected, strict)
     return metadata, view
+
+
+def _global_shape(value: Any) -> tuple[int, ...]:
+    """The full shape of a state-dict entry; a ``ShardedTensor``'s from its metadata (its ``size()`` goes through
+    ``__torch_function__``, about 0.3 ms each: a fifth of a second at 723 tensors)."""
+    metadata = getattr(value, "metadata", None)
+    if hasattr(value, "local_shards") and callable(metadata):
+        return tuple(metadata().size)
+    return tuple(value.size())
 
 
 def check_local(path: Path, model: Module, engine: Any, world_size: int, rank: int) -> dict[str, Any]:
