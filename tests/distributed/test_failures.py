@@ -48,8 +48,9 @@ def _failing_run(
     ("rank", "where", "door"),
     [
         (0, "training_step", "trainer"),
-        pytest.param(1, "training_step", "trainer", marks=pytest.mark.versions),
-        (0, "configure_model", "trainer"),
+        # the version jobs' failure path: test_stuck_timeout_ends_every_rank_naming_the_stuck_one_with_its_stack
+        (1, "training_step", "trainer"),
+        pytest.param(0, "configure_model", "trainer", marks=pytest.mark.slow),  # rank 1's case is the default run's
         (1, "configure_model", "trainer"),
         (1, "training_step", "fabric"),  # the loop's step: the survivor reports from sys.excepthook
         pytest.param(0, "training_step", "fabric", marks=pytest.mark.slow),
@@ -80,6 +81,8 @@ def test_a_rank_raising_is_named_by_a_rank_that_never_reaches_a_collective(scena
     )
 
 
+# the default run's rank killed during a save: test_damage.py::test_sigkill_during_a_save_keeps_the_previous_checkpoint
+@pytest.mark.slow
 def test_a_rank_raising_during_a_checkpoint_save(scenario, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = scenario(
@@ -137,6 +140,8 @@ def test_a_rank_killed_mid_training_stops_the_others_and_the_last_checkpoint_loa
     assert all(torch.isfinite(v).all() for v in resumed["weights"].values())
 
 
+# the same PR_SET_PDEATHSIG in the default run: test_ranks_never_outlive_the_launcher_that_started_them
+@pytest.mark.slow
 def test_when_rank_0_is_killed_mid_training_the_rank_it_launched_goes_with_it(scenario):
     # Under Lightning's launcher the rendezvous store lives in rank 0's process, so nothing could go on without it:
     # the kernel ends rank 1 with its launcher (PR_SET_PDEATHSIG) instead of leaving it to wait for the timeout.
