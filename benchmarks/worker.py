@@ -15,6 +15,7 @@ with ``from_pretrained`` on every rank).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -212,6 +213,8 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
     rank, ending with Lightning's barrier) plus the wait before the next optimizer step for the background copies,
     which overlap that step's forward and backward (run here as the Trainer runs them, without the optimizer
     step); the slowest rank's wait counts."""
+    from lightning_gaudi_fsdp.engine.pieces import gather_objects
+
     strategy = trainer.strategy
     strategy._state_dict_type = fmt
     if trainer.global_rank == 0:
@@ -228,7 +231,7 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
         waited = torch.tensor([saver.wait_staged(rank=trainer.global_rank)])
         dist.all_reduce(waited, op=dist.ReduceOp.MAX)
         _unwrap(trainer.optimizers[0]).zero_grad(set_to_none=True)
-        saver.wait(rank=trainer.global_rank, gather=strategy._gather_objects)
+        saver.wait(rank=trainer.global_rank, gather=functools.partial(gather_objects, world_size=trainer.world_size))
         dist.barrier()
         total = time.perf_counter() - start
     finally:
