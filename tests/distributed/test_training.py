@@ -284,8 +284,9 @@ def test_wrap_inside_configure_model_gets_a_device(scenario):
     assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
 
 
-@pytest.mark.versions  # which threads torch leaves running, and how it names them, moves with torch
-@pytest.mark.parametrize("door", ["trainer", "fabric"])
+# which threads torch leaves running, and how it names them, moves with torch: the version jobs run the Trainer's case
+# (the teardown both doors share, _exit.close_all); the Fabric loop's case runs in the default job
+@pytest.mark.parametrize("door", [pytest.param("trainer", marks=pytest.mark.versions), "fabric"])
 def test_a_plain_script_that_saves_after_fit_exits_0_with_nothing_left_running(scenario, tmp_path, door):
     """A user's script: ``Trainer.fit`` (or a Fabric loop, which is never torn down) with FSDP2, then a save, then the
     interpreter's own exit (no ``destroy_process_group``, no ``os._exit``) under Lightning's launcher. Whatever the
