@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -213,6 +215,7 @@ def load_agreed(
     before a weight changes: nobody waits in a collective alone. ``raw``, ``hints``: see
     :func:`.loading.check_load`."""
     device_type = door.root_device.type
+    started = time.perf_counter()
     pending = agreed(
         door,
         path,
@@ -229,7 +232,7 @@ def load_agreed(
             hints=hints,
         ),
     )
-    return loading.apply_load(
+    rest = loading.apply_load(
         pending,
         model,
         optimizers,
@@ -238,6 +241,10 @@ def load_agreed(
         strict=strict,
         load_optimizers=load_optimizers,
     )
+    note = loading.restore_note(pending, time.perf_counter() - started, door.world_size)
+    if note is not None:
+        rank_zero_info(note)
+    return rest
 
 
 def hooks_read_checkpoint(strategy: Any) -> bool:

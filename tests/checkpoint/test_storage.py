@@ -358,3 +358,21 @@ def test_archives_are_written_without_checksums_inside_and_torchs_setting_comes_
         assert torch.serialization.get_crc32_options() is False
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+def test_the_restore_line_appears_only_for_a_restore_of_5_s_or_more(tmp_path):
+    """A quick restore prints nothing; a long one names the checkpoint and its format, the bytes on disk (every file of
+    a directory), the ranks that read it and the rate."""
+    from lightning_gaudi_fsdp.checkpoint.loading import PendingLoad, restore_note
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(b"\0" * 3 * 1024**2)
+    (ckpt / "__1_0.distcp").write_bytes(b"\0" * 3 * 1024**2)
+    (ckpt / ".metadata").write_bytes(b"\0" * 1024)
+    pending = PendingLoad(fmt="sharded", path=ckpt, rest={})
+    assert restore_note(pending, 4.99, world_size=2) is None
+    assert restore_note(pending, 6.0, world_size=2) == (
+        f"lightning_gaudi_fsdp: restored the sharded checkpoint {str(ckpt)!r} (6.0 MiB on disk, read by 2 rank(s)) "
+        "in 6.0 s: 1.0 MiB/s"
+    )

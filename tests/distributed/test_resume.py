@@ -143,8 +143,24 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
         written = torch.load(ckpt, weights_only=True)["state_dict"]
         assert saw == sum(float(v.double().sum()) for v in written.values())
         assert saw != 0.0
-    resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": str(ckpt)})
+    resumed = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "ckpt_path": str(ckpt),
+            "restore_note_after_s": 0.0,
+        }
+    )
     _assert_same_run(resumed.final(), straight)
+    # rank 0 says what it restored, how much and how fast (by default only for a restore of 5 s or more)
+    notes = re.findall(r"lightning_gaudi_fsdp: restored the .*", resumed.proc.stdout + resumed.proc.stderr)
+    assert len(notes) == 1, notes
+    assert re.fullmatch(
+        rf"lightning_gaudi_fsdp: restored the {fmt} checkpoint {re.escape(repr(str(ckpt)))} "
+        r"\(\d+\.\d (KiB|MiB) on disk, read by 2 rank\(s\)\) in \d+\.\d s: \d+\.\d (KiB|MiB|GiB)/s",
+        notes[0],
+    ), notes
 
 
 ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("local", 2)]

@@ -26,7 +26,7 @@ from common import (
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
-from lightning_gaudi_fsdp.checkpoint import formats
+from lightning_gaudi_fsdp.checkpoint import formats, loading
 from lightning_gaudi_fsdp.engine import fsdp1_io, fsdp2
 from lightning_gaudi_fsdp.engine.base import of as engine_of
 
@@ -623,6 +623,8 @@ def main() -> None:
         arm_write_probes(
             out, cfg.get("slow_writes", 0), cfg.get("writes_after_a_later_step", 0), bool(cfg.get("record_events"))
         )
+    if "restore_note_after_s" in cfg:  # the restore line, shown here for a restore of any length
+        loading.RESTORE_NOTE_AFTER_S = cfg["restore_note_after_s"]
     L.seed_everything(cfg.get("seed", 7), workers=True)
     module = Module(**cfg.get("module", {}))
     strategy_cfg = cfg.get("strategy", {})

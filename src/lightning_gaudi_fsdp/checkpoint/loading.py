@@ -29,6 +29,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     merge_groups,
     read_local_metadata,
 )
+from lightning_gaudi_fsdp.checkpoint.space import human_bytes
 from lightning_gaudi_fsdp.checkpoint.trust import (
     check_distributed_entries,
     load_file,
@@ -271,6 +272,23 @@ def apply_load(
         pending, model, optimizers, device_type=device_type, strict=strict, load_optimizers=load_optimizers
     )
     return rest
+
+
+RESTORE_NOTE_AFTER_S = 5.0  # a restore that takes longer says, once it ended, what was read, how much and how fast
+
+
+def restore_note(pending: PendingLoad, seconds: float, world_size: int) -> str | None:
+    """The line rank 0 prints after a restore that took ``seconds`` (``None`` for a quick one): the checkpoint, its
+    format, its size on disk and the rate at which the ``world_size`` ranks read it together."""
+    if seconds < RESTORE_NOTE_AFTER_S:
+        return None
+    path = pending.path
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    size = sum(f.stat().st_size for f in files)
+    return (
+        f"lightning_gaudi_fsdp: restored the {pending.fmt} checkpoint {str(path)!r} ({human_bytes(size)} on disk, "
+        f"read by {world_size} rank(s)) in {seconds:.1f} s: {human_bytes(int(size / max(seconds, 1e-3)))}/s"
+    )
 
 
 def for_each_sharded_optimizer(
