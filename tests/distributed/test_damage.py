@@ -107,6 +107,21 @@ def test_any_exception_on_one_rank_while_checking_a_load_fails_on_every_rank(che
         assert re.search(line, stderr, re.MULTILINE), f"rank {rank}: {stderr[-3000:]}"
 
 
+def test_a_local_shard_of_another_size_on_one_rank_is_refused_on_every_rank(checkpoints, scenario, tmp_path):
+    """Rank 1's file holds one element fewer of a unit's flat parameter than the layout its metadata records gives that
+    rank: the check refuses it on every rank before any weight changes (rank 1 must not reach torch's load path, with
+    collectives the others never join)."""
+    ckpt = _copy(checkpoints["local"][0], tmp_path)
+    shard = torch.load(ckpt / "rank_00001.pt", weights_only=True)
+    key = next(k for k in shard["model"] if k.endswith("_flat_param"))
+    held = shard["model"][key].numel()
+    shard["model"][key] = shard["model"][key][:-1].clone()
+    torch.save(shard, ckpt / "rank_00001.pt")
+    problem = f"the shard of rank 1 holds {held - 1} elements of {key!r}; this rank holds {held} (reported by rank 1)"
+    run = _load_fails(scenario, ckpt, "local", problem)
+    assert run.proc.stderr.count("reported by rank 1") >= 2  # rank 0 raised it too
+
+
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
 def test_checkpoint_of_another_model(checkpoints, scenario, fmt):
     ckpt = checkpoints[fmt][0]

@@ -204,10 +204,27 @@ def check_load(
     shard = load_file(path / local_shard_name(rank), path, f"the shard of rank {rank}", weights_only=weights_only)
     if not isinstance(shard, dict) or "model" not in shard:
         raise CheckpointError(path, f"the shard of rank {rank} holds no model state")
-    missing = [k for k in engine.local_shard_keys(current) if k not in shard["model"]]
+    keys = engine.local_shard_keys(current)
+    missing = [k for k in keys if k not in shard["model"]]
     if missing:
         raise CheckpointError(path, f"the shard of rank {rank} lacks {missing[:3]}")
+    for key in keys:  # a rank file that does not match its metadata's layout fails the check, never the load
+        saved, held = shard["model"][key], _local_numel(current[key])
+        if isinstance(saved, torch.Tensor) and saved.numel() != held:
+            raise CheckpointError(
+                path, f"the shard of rank {rank} holds {saved.numel()} elements of {key!r}; this rank holds {held}"
+            )
     return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
+
+
+def _local_numel(value: Any) -> int:
+    """The elements of a local state-dict entry this rank holds: a ``ShardedTensor``'s local shards (FSDP1), a
+    ``DTensor``'s local tensor (FSDP2) or a plain tensor."""
+    if hasattr(value, "local_shards"):
+        return sum(shard.tensor.numel() for shard in value.local_shards())
+    if hasattr(value, "to_local"):
+        return value.to_local().numel()
+    return value.numel()
 
 
 def split_model_state(
