@@ -8,6 +8,7 @@ from typing import Any
 
 ENGINES = ("fsdp1", "fsdp2")
 FORMATS = ("full", "sharded", "local")
+RESUME_FORMATS = ("sharded", "local", "full")
 _COMPARE = {"<=": operator.le, ">=": operator.ge}
 
 
@@ -102,15 +103,18 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "resume" in results:
         r = results["resume"]
         engines = [e for e in ENGINES if e in r]
-        for fmt in ("sharded", "local"):
+        measured = r[engines[0]][str(r["layers"][0])]
+        for fmt in (f for f in RESUME_FORMATS if f in measured):  # full: results from before it was measured lack it
             values = {e: [r[e][str(n)][fmt]["vs_torch_load"] for n in r["layers"]] for e in engines}
             layers = " and ".join(map(str, r["layers"]))
-            name = f"{fmt} resume: time added / torch.load of the rank's share, {layers} layers"
+            baseline = "torch.load on rank 0 + scatter" if fmt == "full" else "torch.load of the rank's share"
+            name = f"{fmt} resume: time added / {baseline}, {layers} layers"
             rows.append(_row(name, values, ("<=", r["targets"]["resume_vs_torch_load"])))
             values = {e: [r[e][str(n)][fmt].get("restore_extra_vs_share") for n in r["layers"]] for e in engines}
             values = {e: v if None not in v else None for e, v in values.items()}  # results from before it was measured
             name = f"{fmt} resume: memory only while restoring / the rank's share, {layers} layers"
-            rows.append(_row(name, values, ("<=", r["targets"].get("restore_extra_vs_share", 0.25))))
+            target = None if fmt == "full" else ("<=", r["targets"].get("restore_extra_vs_share", 0.25))
+            rows.append(_row(name, values, target))
         for key in r[engines[0]]["reshard"]:
             values = {e: r[e]["reshard"][key]["vs_same_size"] for e in engines}
             name = f"sharded resume {key} ranks / same-size resume, {r['layers'][-1]} layers"
@@ -197,17 +201,21 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"\n== resume ({r['world_size']} ranks; time fit(ckpt_path) adds before the first step, slowest rank)")
         print(
             f"{'engine / layers':18} {'share MiB':>10} {'torch.load s':>13} {'sharded s':>10} {'x':>7} "
-            f"{'local s':>9} {'x':>7} {'restore mem x share (sharded, local)':>37}"
+            f"{'local s':>9} {'x':>7} {'load+scatter s':>15} {'full s':>8} {'x':>7} "
+            f"{'restore mem x share (sharded, local, full)':>43}"
         )
+        nothing = {"torch_load_s": float("nan"), "added_s": float("nan"), "vs_torch_load": float("nan")}
         for engine in (e for e in ENGINES if e in r):
             for n in r["layers"]:
                 row = r[engine][str(n)]
+                full = row.get("full", nothing)
                 print(
                     f"{engine.upper() + ' ' + str(n):18} {row['share_bytes'] / 2**20:10.1f} "
                     f"{row['sharded']['torch_load_s']:13.2f} {row['sharded']['added_s']:10.2f} "
                     f"{row['sharded']['vs_torch_load']:7.2f} {row['local']['added_s']:9.2f} "
-                    f"{row['local']['vs_torch_load']:7.2f} "
-                    f"{_format([row[f].get('restore_extra_vs_share') for f in ('sharded', 'local')], 'x'):>37}"
+                    f"{row['local']['vs_torch_load']:7.2f} {full['torch_load_s']:15.2f} {full['added_s']:8.2f} "
+                    f"{full['vs_torch_load']:7.2f} "
+                    f"{_format([row.get(f, {}).get('restore_extra_vs_share') for f in RESUME_FORMATS], 'x'):>43}"
                 )
             for key, row in r[engine]["reshard"].items():
                 print(

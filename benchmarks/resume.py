@@ -1,14 +1,14 @@
-"""Resume time against reading the bytes: the worker side of ``run.py --only resume`` (``worker.py resume CFG``).
-
-One Trainer trains a transformers Llama (``cfg["layers"]`` decoder layers of width ``cfg["width"]``, AdamW) for one
-step and saves it in every format of ``cfg["formats"]``. Then, in the same processes, for each format and round: a
-fresh ``fit`` and a ``fit(ckpt_path=...)`` of one step each, timed from ``on_fit_start`` (Lightning restores after
-it) to the first ``on_train_batch_start``: the resume's difference is the time it adds before training starts. The
-baseline is ``torch.load`` of this rank's share of the same state from one plain file (the rank's file of the local
-checkpoint: its shard of the weights and of the AdamW state). A checkpoint written elsewhere (``cfg["ckpts"]``, a
-reshard) is resumed the same way at this world size. With ``cfg["memory"]``, one more resume per format measures
-the memory restoring needs beyond what training then holds. ``BENCH_PROFILE_RESUME=<format>`` writes a cProfile of
-rank 0's resume of that format to ``BENCH_PROFILE_DIR``.
+"""Resume time against reading the bytes: the worker side of ``run.py --only resume`` (``worker.py resume CFG``). One
+Trainer trains a transformers Llama (``cfg["layers"]`` decoder layers of width ``cfg["width"]``, AdamW) for one step and
+saves it in every format of ``cfg["formats"]``. Then, in the same processes, for each format and round: a fresh ``fit``
+and a ``fit(ckpt_path=...)`` of one step each, timed from ``on_fit_start`` (Lightning restores after it) to the first
+``on_train_batch_start``: the resume's difference is the time it adds before training starts. The baseline is
+``torch.load`` of this rank's share of the same state from one plain file (the rank's file of the local checkpoint: its
+shard of the weights and of the AdamW state); for the full format, ``torch.load`` of the whole file on rank 0 plus a
+scatter of its tensors to the ranks (:func:`_torch_load_and_scatter`). A checkpoint written elsewhere (``cfg["ckpts"]``,
+a reshard) is resumed the same way at this world size. With ``cfg["memory"]``, one more resume per format measures the
+memory restoring needs beyond what training then holds. ``BENCH_PROFILE_RESUME=<format>`` writes a cProfile of rank 0's
+resume of that format to ``BENCH_PROFILE_DIR``.
 """
 
 from __future__ import annotations
@@ -154,6 +154,44 @@ def _torch_load(file: Path) -> float:
     return _slowest(time.perf_counter() - start)
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _torch_load_and_scatter(file: Path) -> float:
+    """The full format's baseline: ``torch.load`` of the whole checkpoint file on rank 0, then the least a scatter of
+    it costs: every tensor of the model and optimizer state, per dtype, joined into one buffer, padded to a multiple
+    of the world size and sent to the ranks in equal pieces by one ``dist.scatter`` (with the sizes broadcast
+    first). Timed on the slowest rank, from a barrier."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    start = time.perf_counter()
+    buffers: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        found = _tensors({"model": state["state_dict"], "optimizers": state.get("optimizer_states", [])})
+        for dtype in sorted({str(t.dtype) for t in found}):
+            buffers[dtype] = torch.cat([t.reshape(-1) for t in found if str(t.dtype) == dtype])
+    sizes = [{k: (v.numel(), v.dtype) for k, v in buffers.items()}]
+    dist.broadcast_object_list(sizes, src=0)
+    for dtype, (numel, torch_dtype) in sizes[0].items():
+        piece = -(-numel // world)
+        received = torch.empty(piece, dtype=torch_dtype)
+        pieces = None
+        if rank == 0:
+            padded = torch.zeros(piece * world, dtype=torch_dtype)
+            padded[:numel] = buffers[dtype]
+            pieces = list(padded.chunk(world))
+        dist.scatter(received, pieces, src=0)
+    return _slowest(time.perf_counter() - start)
+
+
 def resume(rank: int, cfg: dict[str, Any]) -> None:
     """Save (unless ``cfg["ckpts"]`` names checkpoints written elsewhere), then time fresh and resumed fits."""
     out = Path(cfg["dir"])
@@ -179,7 +217,10 @@ def resume(rank: int, cfg: dict[str, Any]) -> None:
                 profile = profile_dir / f"profile-resume-{engine}-{fmt}-{cfg['layers']}.txt"
             fresh = _window(cfg, engine, None)
             resumed = _window(cfg, engine, ckpt, profile)
-            load = _torch_load(share) if share.is_file() else float("nan")
+            if fmt == "full":
+                load = _torch_load_and_scatter(Path(ckpt))
+            else:
+                load = _torch_load(share) if share.is_file() else float("nan")
             rows[fmt].append({"fresh_s": fresh, "resume_s": resumed, "added_s": resumed - fresh, "torch_load_s": load})
     memory = {fmt: _restore_extra(cfg, engine, ckpt) for fmt, ckpt in ckpts.items()} if cfg.get("memory") else {}
     if rank == 0:

@@ -312,7 +312,7 @@ def bench_resume(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "layers": n,
                 "width": RESUME_WIDTH[size],
                 "world_size": args.world_size,
-                "formats": ["sharded", "local"],
+                "formats": ["sharded", "local", "full"],
                 "dir": str(ckdir),
                 "rounds": args.rounds,
                 "memory": True,

@@ -108,7 +108,7 @@ def test_pretrained_benchmark_smoke_run(tmp_path):
 
 @pytest.mark.slow
 def test_resume_benchmark_smoke_run_prints_every_row(tmp_path):
-    """The resume section (``--smoke --only resume``: 2 and 4 layers of width 32, both engines, sharded and local,
+    """The resume section (``--smoke --only resume``: 2 and 4 layers of width 32, both engines, sharded, local and full,
     the reshards, the memory restoring needs): its table and summary rows are printed and the JSON holds every
     number. About 50 CPU seconds (its workers import transformers and run about 40 fits): under ``-m slow``."""
     pytest.importorskip("transformers")
@@ -122,7 +122,7 @@ def test_resume_benchmark_smoke_run_prints_every_row(tmp_path):
             assert f"{engine.upper()} {n} " in proc.stdout
             row = section[engine][str(n)]
             assert row["share_bytes"] > 0
-            for fmt in ("sharded", "local"):
+            for fmt in ("sharded", "local", "full"):
                 assert isinstance(row[fmt]["added_s"], float)  # a difference of two times: tiny runs can be < 0
                 assert row[fmt]["torch_load_s"] > 0
                 assert row[fmt]["restore_extra_vs_share"] >= 0
@@ -132,4 +132,5 @@ def test_resume_benchmark_smoke_run_prints_every_row(tmp_path):
     for fmt in ("sharded", "local"):
         for what in ("time added / torch.load of the rank's share", "memory only while restoring / the rank's share"):
             assert f"{fmt} resume: {what}, 2 and 4 layers" in proc.stdout
+    assert "full resume: time added / torch.load on rank 0 + scatter, 2 and 4 layers" in proc.stdout
     assert "sharded resume 2->4 ranks / same-size resume, 4 layers" in proc.stdout
