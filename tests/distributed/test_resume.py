@@ -294,16 +294,23 @@ def test_weights_only_checkpoint_restores_weights(scenario, tmp_path):
 
 
 @pytest.mark.versions
-def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path):
-    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
-    ckpt = tmp_path / "ckpt"
-    two = scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "save_path": str(ckpt)}).final()
-    one = scenario(
-        {"devices": 1, "strategy": strategy, "module": _module(), "max_steps": 4, "ckpt_path": str(ckpt)}
-    ).final()
-    # max_steps already reached: the one-rank run only loads, so its weights are the two-rank run's
-    _assert_equal_nested(one["weights"], two["weights"], "weights")
-    assert one["step"] == 4
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path, use_orig_params):
+    """Saved by 2 ranks, resumed by 1, where FSDP1 runs NO_SHARD: the one rank reads the checkpoint straight into its
+    flat parameters and optimizer state (not through torch's ``dcp.load``), and the run goes on exactly as it does
+    from the same state in a full checkpoint (loaded by torch's full-state path)."""
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded", "use_orig_params": use_orig_params}
+    sharded, full = tmp_path / "sharded", tmp_path / "full"
+    scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "save_path": str(sharded)})
+    assert convert(sharded, full, "full") == []
+    one = {"devices": 1, "strategy": strategy, "module": _module(), "max_steps": 8}
+    from_sharded = scenario({**one, "ckpt_path": str(sharded)})
+    from_full = scenario({**one, "ckpt_path": str(full)})
+    assert json.loads((from_sharded.out / "sharded_loads0.json").read_text()) == {"fast": 1, "torch": 0}
+    _assert_same_run(from_sharded.final(), from_full.final())
+    assert from_sharded.final()["step"] == 8
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])

@@ -303,3 +303,20 @@ class StreamedSaves(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.count += record.getMessage().startswith("streamed ")
+
+
+class ShardedLoads(logging.Handler):
+    """Counts the sharded checkpoints this process loaded, by the way it read them (``checkpoint/loading.py`` logs
+    each, at debug): ``fast`` (straight into the shards, ``checkpoint/fast_load.py``) or ``torch`` (``dcp.load``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts = {"fast": 0, "torch": 0}
+        loading = logging.getLogger("lightning_gaudi_fsdp.checkpoint.loading")
+        loading.setLevel(logging.DEBUG)
+        loading.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.counts["fast"] += message.startswith("read straight into this rank's shards")
+        self.counts["torch"] += message.startswith("torch's path loads")

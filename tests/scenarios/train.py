@@ -16,6 +16,7 @@ from common import (
     QUIET_TRAINER,
     Block,
     Module,
+    ShardedLoads,
     StreamedSaves,
     a_late_collective,
     load_config,
@@ -671,9 +672,11 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(**cfg["model_checkpoint"]))
         trainer_kwargs["enable_checkpointing"] = True
     trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
+    loads = ShardedLoads()
     with trainer.init_module(empty_init=cfg.get("empty_init", False)) if cfg.get("init_module") else _null():
         pass
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))  # returns once the last background save committed
+    write_json(out, f"sharded_loads{trainer.global_rank}.json", loads.counts)
     saver = next((c for c in callbacks if isinstance(c, SaveAtStep)), None)
     if saver is not None:  # full checkpoints rank 0 wrote streamed, in all (background saves included)
         write_json(out, f"streamed{trainer.global_rank}.json", saver.streamed.count)

@@ -16,7 +16,8 @@ done by the same safe reader as every other read (:mod:`.trust`), fills all of i
 state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
 
 :func:`plan` says whether this applies (``None``: the caller takes torch's path): FSDP1 where the package saves
-sharded state itself (:func:`.fsdp1_state.supported`), FSDP2 with every parameter a DTensor; every optimizer parameter
+sharded state itself (:func:`.fsdp1_state.supported`) and with NO_SHARD units (:func:`.fsdp1_state.loadable`: at world
+size 1 FSDP1 runs every sharding strategy so), FSDP2 with every parameter a DTensor; every optimizer parameter
 under FSDP; only tensors in the optimizer's per-parameter state; the hyper-parameters recorded by this package for
 exactly these parameters, group by group.
 """
@@ -218,9 +219,9 @@ def _param_state(
             pieces[where] = [((), state[leaf])]
         elif tuple(md.size) != tuple(shape):
             return None
-        elif kind == "orig":
-            state[leaf] = torch.empty(owner.numel_in_shard, dtype=dtype)
-            pieces[where] = _fsdp1_pieces(owner, state[leaf], dist.get_rank())
+        elif kind == "orig":  # this rank's elements, flat (NO_SHARD: the whole parameter, in its shape)
+            state[leaf] = torch.empty(owner.state_shape, dtype=dtype)
+            pieces[where] = _fsdp1_pieces(owner, state[leaf].view(-1), dist.get_rank())
         else:
             state[leaf] = _dtensor_like(owner, dtype)
             pieces[where] = _pieces_of(state[leaf])

@@ -6,6 +6,7 @@ on the outcome, then :func:`apply_load` changes the weights. Nothing here knows 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     internal_view,
     with_dcp_keys,
 )
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------------ checking
@@ -359,7 +362,9 @@ def load_sharded_fast(
         optimizer_keys=[dcp_optimizer_key(pending.rest, idx) for idx in range(len(optimizers))],
     )
     if planned is None:
+        log.debug("torch's path loads the sharded checkpoint %s", pending.path)
         return False
+    log.debug("read straight into this rank's shards: the sharded checkpoint %s", pending.path)
 
     def read(pieces: fast_load.Pieces, planner: Any) -> None:
         try:

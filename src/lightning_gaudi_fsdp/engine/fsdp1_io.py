@@ -87,7 +87,7 @@ def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, An
     """The local state dict: each rank's flat-parameter shard (with ``flat``) and every entry FSDP does not manage
     (buffers, ignored parameters). Tensors are moved to the CPU, not copied there: a synchronous save writes them
     before training goes on, an asynchronous one stages them into its own buffers first."""
-    state = _local_state_without_hooks(model)
+    state = _local_state_without_hooks(model, flat=flat)
     if state is None:
         with state_dict_context(model, "local", device_type):
             state = model.state_dict()
@@ -105,29 +105,43 @@ def _local_state(model: Module, device_type: str, *, flat: bool) -> dict[str, An
     return local
 
 
-def _local_state_without_hooks(model: Module) -> dict[str, Any] | None:
+def _local_state_without_hooks(model: Module, *, flat: bool = True) -> dict[str, Any] | None:
     """``model.state_dict()`` under FSDP's local state-dict type, read from the modules themselves (each module's
     own ``_save_to_state_dict``, so persistent buffers, extra state and overrides are as ``state_dict`` has them), and
     with each unit's flat-parameter shard as a plain tensor. FSDP's hook would wrap every shard in a ``ShardedTensor``,
     one ``all_gather_object`` per unit, which a save only unwraps again: on two CPU ranks that was about a third of
     the time an asynchronous local save blocked training. ``None`` when a module carries state-dict hooks other
-    than FSDP's and the checkpoint wrapper's (the caller then asks ``state_dict()``)."""
-    modules = list(model.named_modules(remove_duplicate=False))
-    own_hooks = (fsdp1_internals.STATE_DICT_HOOK_MODULE, torch_internals.CHECKPOINT_WRAPPER_MODULE)
-    for _, module in modules:
-        if any(owner not in own_hooks for owner in torch_internals.state_dict_hook_modules(module)):
-            return None
+    than FSDP's and the checkpoint wrapper's (the caller then asks ``state_dict()``). Without ``flat``, the entries
+    other than the flat-parameter shards only (a unit that does not shard has them too)."""
+    if not _without_foreign_hooks(model):
+        return None
     state: dict[str, Any] = {}
-    for name, module in modules:
+    for name, module in model.named_modules(remove_duplicate=False):
         own = torch_internals.own_state(module, f"{name}." if name else "")
         state.update((clean_name(key), value) for key, value in own.items() if not key.endswith(FLAT_PARAM))
-        unit = fsdp1_internals.view(module, name)
+        unit = fsdp1_internals.view(module, name) if flat else None
         if unit is not None:
             if not unit.uses_sharded_strategy:
                 return None  # torch's own path raises its error for a local state dict without sharding
             valid = unit.flat_param.numel() - unit.shard_padding  # the shard without FSDP's padding
             state[join_name(unit.name, FLAT_PARAM)] = unit.flat_param.detach()[:valid] if valid > 0 else torch.empty(0)
     return state
+
+
+def _without_foreign_hooks(model: Module) -> bool:
+    """Whether no module of ``model`` carries state-dict hooks other than FSDP's and the checkpoint wrapper's."""
+    own_hooks = (fsdp1_internals.STATE_DICT_HOOK_MODULE, torch_internals.CHECKPOINT_WRAPPER_MODULE)
+    return all(
+        owner in own_hooks for module in model.modules() for owner in torch_internals.state_dict_hook_modules(module)
+    )
+
+
+def _loads_fast(model: Module) -> bool:
+    """Whether a sharded load builds its template (see :func:`current_state`) and fills it itself
+    (:mod:`..checkpoint.fast_load`): where the package saves sharded state (:func:`.fsdp1_state.supported`), and where
+    its pieces fit the units (:func:`.fsdp1_state.loadable`, NO_SHARD) and the entries FSDP does not manage can be read
+    without torch's local state dict (which refuses NO_SHARD)."""
+    return fsdp1_state.supported(model) or (fsdp1_state.loadable(model) and _without_foreign_hooks(model))
 
 
 def optimizer_state_dict(
@@ -180,9 +194,9 @@ def check_local_layout(path: Path, meta: dict[str, Any], model: Module) -> None:
 
 def current_state(model: Module, fmt: CheckpointFormat, device_type: str) -> dict[str, Any]:
     """The model's sharded or local state dict, to check a checkpoint against (runs collectives)."""
-    if fmt == "sharded" and fsdp1_state.supported(model):
+    if fmt == "sharded" and _loads_fast(model):
         # views of this rank's own slices (see checkpoint.fast_load), built without collectives; torch's all-gathers
-        return model_state_dict(model, "sharded", device_type)
+        return fsdp1_state.model_state_dict(model, _local_state(model, device_type, flat=False))
     with state_dict_context(model, fmt, device_type):
         return model.state_dict()
 
@@ -210,8 +224,8 @@ def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
 def fast_load_params(model: Module) -> dict[int, tuple[list[str], Any]] | None:
     """For :mod:`..checkpoint.fast_load`: each parameter the optimizers see (an original parameter with
     ``use_orig_params``, else a unit's flat parameter) -> the names it stands for and what builds its state; ``None``
-    where the package does not build this model's sharded state itself."""
-    if not fsdp1_state.supported(model):
+    where the package does not fill this model's sharded state itself (:func:`_loads_fast`)."""
+    if not _loads_fast(model):
         return None
     params: dict[int, tuple[list[str], Any]] = {}
     for unit in fsdp1_state.units(model):
@@ -281,7 +295,7 @@ def _load_sharded(
     path = pending.path
     if loading.load_sharded_fast(pending, model, optimizers, strict, load_optimizers, fast_load_params):
         return
-    if fsdp1_state.supported(model):  # the template check_load built is the package's: torch's path needs its own
+    if _loads_fast(model):  # the template check_load built is the package's: torch's path needs its own
         with state_dict_context(model, "sharded", device_type):
             pending.model_state = model.state_dict()
     with state_dict_context(model, "sharded", device_type):

@@ -17,7 +17,8 @@ Full state dicts: each rank sends its piece of each parameter (and of its optimi
 full shape on rank 0, where torch all-gathers every flat parameter on every rank and clones each parameter out.
 
 :func:`supported` / :func:`supports_full` say when this applies (a sharded strategy over the default group, no device
-mesh; for full, shards in host memory); callers use torch's path otherwise. Sharded state dicts copy nothing: a
+mesh; for full, shards in host memory); callers use torch's path otherwise. Loading also serves NO_SHARD units
+(:func:`loadable`), whose every rank holds the whole flat parameter. Sharded state dicts copy nothing: a
 synchronous save writes the live tensors, an asynchronous one stages them first.
 """
 
@@ -80,6 +81,13 @@ class _Param:
     spans: tuple[tuple[int, int], ...]  # per rank: the elements [start, end) of the flattened parameter it holds
     offset_in_shard: int  # this rank's first element of the parameter within its local flat shard
     numel_in_shard: int
+    replicated: bool  # NO_SHARD: every rank holds the whole parameter (and its optimizer state) in its own shape
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's optimizer state of the parameter with ``use_orig_params``: the parameter's own
+        in NO_SHARD (FSDP keeps the original views), else the flat run of elements this rank holds."""
+        return self.shape if self.replicated else (self.numel_in_shard,)
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,21 @@ class _Unit:
 
 def supported(model: Module) -> bool:
     """Whether every FSDP unit of ``model`` shards its flat parameter over the whole default group (FULL_SHARD or
-    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element."""
+    SHARD_GRAD_OP, no device mesh), with parameters of at least one dimension and one element: the package then saves
+    sharded and full state itself."""
+    return _covers(model, replicated=False)
+
+
+def loadable(model: Module) -> bool:
+    """Whether :mod:`..checkpoint.fast_load` can place a sharded checkpoint's pieces into ``model``: as
+    :func:`supported`, and NO_SHARD units too (FSDP1 turns every sharding strategy into NO_SHARD at world size 1)
+    whose flat parameter is the whole, unpadded flat tensor: each rank then reads every element. Saves keep to
+    :func:`supported` (from such a unit every rank would write every element). The same on every rank: it reads
+    the wrap, the strategies and the layout only."""
+    return _covers(model, replicated=True)
+
+
+def _covers(model: Module, *, replicated: bool) -> bool:
     import torch.distributed as dist
     from torch.distributed.fsdp import ShardingStrategy
 
@@ -101,11 +123,13 @@ def supported(model: Module) -> bool:
     for module in model.modules():
         if not isinstance(module, fsdp1_internals.fsdp_class()):
             continue
-        if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        unit = fsdp1_internals.view(module)
+        if module.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and not (
+            replicated and module.sharding_strategy == ShardingStrategy.NO_SHARD and (unit is None or _whole(unit))
+        ):
             return False
         if fsdp1_internals.device_mesh(module) is not None or module.world_size != dist.get_world_size():
             return False
-        unit = fsdp1_internals.view(module)
         if unit is not None and any(len(s) == 0 or math.prod(s) == 0 for s in unit.shapes):
             return False
     # every parameter is in a unit found here, or ignored by FSDP (then it is saved whole, as torch saves it)
@@ -116,6 +140,12 @@ def supported(model: Module) -> bool:
     return all(id(p) in covered for p in model.parameters())
 
 
+def _whole(unit: fsdp1_internals.UnitView) -> bool:
+    """Whether a unit that does not shard holds its whole flat parameter, unpadded (torch's ``FlatParamHandle.shard``
+    gives such a unit the shard ``[0, numel)``)."""
+    return not unit.uses_sharded_strategy and not unit.shard_padding and unit.local_shard.numel() == unit.unpadded_numel
+
+
 def flat_params(model: Module) -> list[torch.Tensor]:
     """Each FSDP1 unit's flat parameter in ``model``, once each, in module order (none for an FSDP2 model)."""
     found = {id(unit.flat_param): unit.flat_param for unit in fsdp1_internals.units(model)}
@@ -124,7 +154,12 @@ def flat_params(model: Module) -> list[torch.Tensor]:
 
 def units(model: Module) -> Iterator[_Unit]:
     for view in fsdp1_internals.units(model):
-        spans_of_ranks = chunk_spans(view.unpadded_numel, view.world_size)  # FSDP cuts the flat parameter so
+        replicated = not view.uses_sharded_strategy  # NO_SHARD: every rank holds all of it
+        spans_of_ranks = (
+            ((0, view.unpadded_numel),) * view.world_size
+            if replicated
+            else chunk_spans(view.unpadded_numel, view.world_size)  # FSDP cuts the flat parameter so
+        )
         own_range = spans_of_ranks[view.rank]
         params: list[_Param] = []
         start = 0
@@ -139,18 +174,21 @@ def units(model: Module) -> Iterator[_Unit]:
                 own_numel = max(0, min(own_range[1], end) - max(own_range[0], start))
                 if own_numel != info.numel_in_shard or (own_numel and own_start != info.offset_in_shard):
                     raise RuntimeError(f"{fqn}: FSDP's shard of this parameter is not where the flat layout puts it")
-                params.append(_Param(join_name(view.name, fqn), shape, boxes, spans, own_start, own_numel))
+                params.append(_Param(join_name(view.name, fqn), shape, boxes, spans, own_start, own_numel, replicated))
             start = end
         yield _Unit(view.flat_param, view.local_shard.detach(), tuple(params), view.orig_params)
 
 
 def _sharded_tensor(param: _Param, flat_slice: torch.Tensor) -> Any:
     """The parameter-shaped ``ShardedTensor`` whose local shards are views of ``flat_slice`` (this rank's elements of
-    the parameter, in flat order)."""
+    the parameter, in flat order). A replicated parameter's names this rank alone as its holder (shards may not
+    overlap): a template to load into, which no save writes (see :func:`loadable`)."""
     import torch.distributed as dist
 
-    local = [piece for _, piece in local_pieces(param, flat_slice, dist.get_rank())]
-    boxes = [(r, box.offsets, box.sizes) for r, rank_boxes in enumerate(param.boxes) for box in rank_boxes]
+    rank = dist.get_rank()
+    local = [piece for _, piece in local_pieces(param, flat_slice, rank)]
+    holders = [rank] if param.replicated else range(len(param.boxes))
+    boxes = [(r, box.offsets, box.sizes) for r in holders for box in param.boxes[r]]
     return torch_internals.sharded_tensor(param.shape, flat_slice.dtype, str(flat_slice.device), boxes, local)
 
 
