@@ -293,8 +293,7 @@ def test_weights_only_checkpoint_restores_weights(scenario, tmp_path):
     assert first.final()["step"] == 4
 
 
-@pytest.mark.versions
-@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("use_orig_params", [pytest.param(True, marks=VERSIONS), False])
 def test_sharded_checkpoint_reshards_from_two_ranks_to_one(scenario, tmp_path, use_orig_params):
     """Saved by 2 ranks, resumed by 1, where FSDP1 runs NO_SHARD: the one rank reads the checkpoint straight into its
     flat parameters and optimizer state (not through torch's ``dcp.load``), and the run goes on exactly as it does
