@@ -153,6 +153,7 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
         }
     )
     _assert_same_run(resumed.final(), straight)
+    assert all(json.loads((resumed.out / f"rank{r}.json").read_text())["gc_enabled"] for r in (0, 1))
     # rank 0 says what it restored, how much and how fast (by default only for a restore of 5 s or more)
     notes = re.findall(r"lightning_gaudi_fsdp: restored the .*", resumed.proc.stdout + resumed.proc.stderr)
     assert len(notes) == 1, notes

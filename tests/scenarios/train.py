@@ -5,6 +5,7 @@ Usage: python train.py CONFIG.json   (Lightning's launcher re-runs this same com
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -108,6 +109,7 @@ class Probe(Callback):
         info["global_step"] = trainer.global_step
         info["seen_dtypes"] = pl_module.seen_dtypes
         info["configure_optimizers_calls"] = getattr(pl_module, "configure_optimizers_calls", None)
+        info["gc_enabled"] = gc.isenabled()  # a restore pauses the automatic collector only while it runs
         info["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
         info["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
         info["precision_plugin"] = type(trainer.strategy.precision_plugin).__name__
