@@ -38,7 +38,7 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
 Writes ``benchmarks/results/latest.json`` (with a ``summary`` of every ratio against its target) and
 ``benchmarks/results/latest.png``. Runs on CPU with gloo (each measurement in its own processes); the numbers are
 ratios measured in one run, not absolute targets. ``BENCH_PROFILE=full|sharded|local`` writes a cProfile of rank 0's
-save of that format per engine to ``BENCH_PROFILE_DIR``.
+save of that format per engine (its last round) to ``BENCH_PROFILE_DIR``.
 """
 
 from __future__ import annotations

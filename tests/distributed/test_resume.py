@@ -183,7 +183,7 @@ def test_async_save_holds_the_state_of_its_step_and_resumes_exactly(scenario, tm
             "strategy": strategy,
             "module": _module(),
             "max_steps": 2 * k,
-            "writes_after_a_later_step": 15,  # a write that began after the last step waits this long for nothing
+            "writes_after_a_later_step": 15,  # at most; a write begun after the last step goes on when training ends
             "slow_copies": 0.5,  # the next optimizer step must wait for the copies (else the save fails)
             **_save_at(k, ckpt),
         }

@@ -100,6 +100,8 @@ class Probe(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+        _NOW["ended"] = True  # no later step comes: a write waiting for one goes on
+
         model = trainer.strategy.model
         units = fsdp_units(model)
         info = self.info
@@ -359,7 +361,8 @@ def arm_kill_on_save(rank: int, nth: int, out: Path) -> None:
     FullStream.write = counting_stream_write  # type: ignore[method-assign]
 
 
-_NOW = {"step": 0}  # the last finished training step, for probes that run in the background
+# the last finished training step, and whether training ended, for probes that run in the background
+_NOW: dict[str, Any] = {"step": 0, "ended": False}
 
 
 def arm_slow_copies(seconds: float) -> None:
@@ -377,8 +380,8 @@ def arm_slow_copies(seconds: float) -> None:
 
 def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_events: bool) -> None:
     """``slow_writes``: each checkpoint write first sleeps that many seconds; ``later_step_s``: it first waits until
-    training finished a step after the one reached when the write began (at most that many seconds: only for a save
-    no later save waits for). Either way it records the step reached (``writes<rank>.json``). ``record_events``:
+    training finished a step after the one reached when the write began, or ended (at most that many seconds).
+    Either way it records the step reached (``writes<rank>.json``). ``record_events``:
     every checkpoint commit and removal, in order (``events<rank>.json``)."""
     import lightning.fabric.plugins.io.torch_io as torch_io
 
@@ -393,7 +396,7 @@ def arm_write_probes(out: Path, slow_writes: float, later_step_s: float, record_
         def write(*args: Any, **kwargs: Any) -> Any:
             time.sleep(slow_writes)
             step, deadline = _NOW["step"], time.monotonic() + later_step_s
-            while _NOW["step"] <= step and time.monotonic() < deadline:
+            while _NOW["step"] <= step and not _NOW["ended"] and time.monotonic() < deadline:
                 time.sleep(0.01)
             writes.append(_NOW["step"])
             write_json(out, f"writes{rank}.json", writes)
