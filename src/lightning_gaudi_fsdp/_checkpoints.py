@@ -258,14 +258,13 @@ def collection_paused() -> Iterator[None]:
     Lightning, transformers: about a quarter of a second on 2 CPU ranks), while the other ranks wait for that one at
     the next collective. Most of these objects are gone when the restore ends; the collector then runs as before.
     torchtitan pauses the automatic collector during training for the same reason (one rank's pause stalls all)."""
-    if not gc.isenabled():
-        yield
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def hooks_read_checkpoint(strategy: Any) -> bool:
