@@ -58,14 +58,14 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
 
 
 def _check_stream_memory_and_failure(out):
-    """A streamed full save adds to rank 0's memory about its two receive buffers, not the state (an eager save adds
+    """A streamed full save adds to rank 0's memory about its receive ring, not the state (an eager save adds
     the state); a write that fails midway on rank 0 fails on every rank, quickly, and the next save succeeds."""
     records = [json.loads((out / f"stream_memory{rank}.json").read_text()) for rank in (0, 1)]
     zero = records[0]
     assert zero["streamed_planned"]
     assert not zero["eager_planned"]
     assert zero["eager_peak_growth"] > 0.6 * zero["state_bytes"], zero  # the measurement sees a gathered state
-    assert zero["streamed_peak_growth"] < 0.25 * zero["state_bytes"], zero  # two 4 MiB buffers
+    assert zero["streamed_peak_growth"] < 0.25 * zero["state_bytes"], zero  # a ring of two 4 MiB pieces
     assert [r["failure"]["type"] for r in records] == ["CheckpointSaveError"] * 2, records
     assert records[0]["failure"]["message"] == records[1]["failure"]["message"]
     assert "rank 0 failed while writing" in zero["failure"]["message"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_gaudi_fsdp.checkpoint import streaming
+from lightning_gaudi_fsdp.checkpoint.storage import zip_checksums
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 pytestmark = pytest.mark.versions
@@ -20,7 +21,8 @@ def _planned(stream: FullStream, tensor: torch.Tensor) -> torch.Tensor:
     return stream.gather(tuple(tensor.shape), [(0, flat.numel())], flat, [0], tensor.dtype)
 
 
-def test_a_streamed_file_is_the_file_torch_save_writes(tmp_path):
+@pytest.mark.parametrize("crc32", [False, True], ids=["pieces written directly", "assembled for a CRC32"])
+def test_a_streamed_file_is_the_file_torch_save_writes(tmp_path, crc32):
     assert streaming.available()  # the private writer has the signature checked on torch 2.6, 2.9 and 2.13
     torch.manual_seed(0)
     # more than ten tensors (torch < 2.7 writes them sorted as strings: 0, 1, 10, 11, 2...), several dtypes, nested
@@ -51,11 +53,21 @@ def test_a_streamed_file_is_the_file_torch_save_writes(tmp_path):
         "epoch": 3,
     }
     assert stream.pending
-    stream.write(planned, tmp_path / "streamed.pt")
-    with open(tmp_path / "torch.pt", "wb") as handle:  # as the eager path saves (formats.save_file)
-        torch.save(state, handle)
+    with zip_checksums(crc32):  # without: torch's writer hands over each placeholder, and the pieces are written
+        stream.write(planned, tmp_path / "streamed.pt")
+        with open(tmp_path / "torch.pt", "wb") as handle:  # as the eager path saves (formats.save_file)
+            torch.save(state, handle)
     assert (tmp_path / "streamed.pt").read_bytes() == (tmp_path / "torch.pt").read_bytes()
     loaded = torch.load(tmp_path / "streamed.pt", weights_only=True, mmap=True)
     assert list(loaded["state_dict"]) == list(state["state_dict"])
     assert torch.equal(loaded["optimizer_states"][0]["state"][2]["exp_avg"], moments[2]["exp_avg"])
     assert loaded["shared"][1].untyped_storage().data_ptr() == loaded["shared"][0].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("crc32", [False, True], ids=["pieces written directly", "assembled for a CRC32"])
+def test_pieces_that_leave_elements_out_fail_the_write_instead_of_writing_what_a_placeholder_holds(tmp_path, crc32):
+    stream = FullStream(rank=0)
+    tensor = torch.arange(10.0)
+    planned = stream.gather((10,), [(0, 8)], tensor[:8], [0], tensor.dtype)  # elements 8 and 9 come from nowhere
+    with zip_checksums(crc32), pytest.raises(RuntimeError, match=r"shape \(10,\) leave elements \[8, 10\) out"):
+        stream.write({"weight": planned}, tmp_path / "streamed.pt")

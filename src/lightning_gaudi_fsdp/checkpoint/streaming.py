@@ -7,11 +7,16 @@ their live shards). The checkpoint dict is then written by :meth:`FullStream.wri
 runs :meth:`FullStream.send` (posting its sends and waiting for them) in the same write step of the save protocol.
 
 :meth:`FullStream.write` is ``torch.save`` itself (torch's private writer, see :mod:`..adapters.torch_internals`, with
-torch.save's default pickle module and protocol and its byte-order record), given a zip writer that passes every record
-through except a placeholder's storage: that one is received into one of two reused host buffers (rank 0's own pieces
-are copied in) and the buffer is written in its place. While one buffer is written, the next placeholder's pieces are
-received into the other. The file is a ``torch.save`` file like any other: same keys, order, dtypes, shapes and values
-as the eagerly gathered state would give, loadable by ``torch.load`` (``weights_only``, ``mmap``) and Lightning.
+torch.save's default pickle module and protocol and its byte-order record), writing to a file that passes every byte
+through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never
+reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards, the
+others' from a ring of receive memory (at most 64 MiB, or two of the largest pieces) into which they are received
+ahead of the writer, in the order it will write them. Nothing is copied on rank 0 but what the kernel copies into
+the page cache, as for ``torch.save``. With a CRC32 per record (``checkpoint_crc32=True``) torch's writer reads the
+data it is given, so each placeholder's pieces are first assembled into one reused buffer. The file is a
+``torch.save`` file like any other: same keys, order, dtypes, shapes and values as the eagerly gathered state would
+give, byte for byte, loadable by ``torch.load`` (``weights_only``, ``mmap``) and Lightning. Pieces that would leave
+part of a tensor out fail the save before anything is written.
 
 If rank 0's write fails midway (a full disk, a read-only target, a vanished directory), it still receives every piece
 it has not received yet (discarding it), so no sender waits forever; the save protocol then raises the same
@@ -27,7 +32,11 @@ contributes) and runs :meth:`FullStream.with_pieces` of those copies in its thre
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import warnings
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,9 @@ from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 
 log = logging.getLogger(__name__)
+
+_AHEAD_BYTES = 64 << 20  # what rank 0 receives ahead of its writes, at most (or two of the largest pieces)
+_ALIGNMENT = 64  # of each piece in the ring: any dtype's view of it is aligned
 
 
 def available() -> bool:
@@ -56,6 +68,10 @@ class _Record:
     @property
     def nbytes(self) -> int:
         return self.placeholder.untyped_storage().nbytes()
+
+    @property
+    def address(self) -> int:
+        return self.placeholder.untyped_storage().data_ptr()
 
 
 class FullStream:
@@ -136,117 +152,244 @@ class FullStream:
             work.wait()
 
     def write(self, obj: Any, file: Path) -> None:
-        """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces received for it.
+        """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
         Every planned piece is received before this returns or raises."""
         receiver = _Receiver(self._records, self.group)
+        direct = not torch.serialization.get_crc32_options()
         try:
+            receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
             with open(file, "wb") as handle:
-                torch_internals.save_through(obj, handle, lambda writer: _Writer(writer, receiver, order))
+                sink = _File(handle, receiver) if direct else handle
+                torch_internals.save_through(obj, sink, lambda writer: _Writer(writer, receiver, order, sink))
         finally:
             receiver.drain()
         log.debug(
-            f"streamed {len(self._records)} gathered tensors into {str(file)!r} through "
-            f"{receiver.buffers} receive buffers of {receiver.capacity} bytes"
+            f"streamed {len(self._records)} gathered tensors into {str(file)!r}, "
+            f"receiving ahead into {receiver.capacity} bytes{'' if direct else ' and assembling each'}"
         )
 
 
 class _Writer:
-    """torch's zip writer, except that a placeholder's storage is written from the buffer its pieces arrived in."""
+    """torch's zip writer, except that a placeholder's storage is written from the pieces it is made of: straight
+    from them by the :class:`_File` it writes to (``direct``), else assembled first (a CRC32 is computed of the
+    data torch's writer is given)."""
 
-    def __init__(self, writer: Any, receiver: _Receiver, order: list[int]) -> None:
+    def __init__(self, writer: Any, receiver: _Receiver, order: list[int], sink: Any) -> None:
         self._writer = writer
         self._receiver = receiver
         self._order = order
+        self._file = sink if isinstance(sink, _File) else None
         self._numeric = False
 
     def write_record(self, name: str, data: Any, size: int) -> None:
         if name == ".format_version":
             # torch writes this record since it writes storages in the order of their keys (0, 1, 2...); before,
-            # it wrote them sorted as strings (0, 1, 10, 11...). Only the prefetching depends on the guess.
+            # it wrote them sorted as strings (0, 1, 10, 11...). Only receiving ahead depends on the guess.
             self._numeric = True
         address = data.data_ptr() if name.startswith("data/") and isinstance(data, torch.UntypedStorage) else None
-        if address is None or address not in self._receiver.records or size == 0:
+        record = self._receiver.records.get(address) if address is not None and size else None
+        if record is None:
             self._writer.write_record(name, data, size)
             return
-        if not self._receiver.expects:
+        if not self._receiver.expecting:
             keys = range(len(self._order))
             self._receiver.expect([self._order[k] for k in (keys if self._numeric else sorted(keys, key=str))])
-        buffer = self._receiver.fetch(address)
-        try:
-            self._writer.write_record(name, buffer.untyped_storage(), size)
-        finally:
-            self._receiver.release(buffer)
+        if self._file is None:
+            self._writer.write_record(name, self._receiver.assemble(record).untyped_storage(), size)
+            return
+        self._file.pending = record
+        self._writer.write_record(name, data, size)  # the file writes the pieces where torch's writer hands over data
+        if self._file.pending is not None:
+            raise RuntimeError(f"torch's zip writer did not hand over record {name!r} ({size} bytes) in one write")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
 
 
+class _File:
+    """The checkpoint file as torch's zip writer sees it: when the writer hands over the data of the pending
+    placeholder (its address, all its bytes: one write, as torch's writer makes it when it computes no CRC32), the
+    pieces are written in its place, rank 0's own straight from its shards, the others' as they arrive."""
+
+    def __init__(self, handle: Any, receiver: _Receiver) -> None:
+        self._handle = handle
+        self._receiver = receiver
+        self.pending: _Record | None = None
+
+    def write(self, data: Any) -> int:
+        record = self.pending
+        if record is not None and len(data) == record.nbytes and _address(data) == record.address:
+            self.pending = None
+            for chunk in self._receiver.chunks(record):
+                self._handle.write(_raw(chunk))
+            return len(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _address(data: Any) -> int:
+    """Where the bytes of a (read-only) buffer torch's writer hands over start."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; it is only looked at
+        return torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+
+
+def _raw(chunk: torch.Tensor) -> Any:
+    """The bytes of a contiguous uint8 tensor as a buffer a file writes without copying them first."""
+    return (ctypes.c_ubyte * chunk.numel()).from_address(chunk.data_ptr())
+
+
+def _bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``piece``'s elements in ``dtype``, flat and contiguous, viewed as bytes (a copy only if they are not)."""
+    flat = piece.reshape(-1)
+    if flat.dtype != dtype:
+        flat = flat.to(dtype)
+    return flat.contiguous().view(torch.uint8)
+
+
 class _Receiver:
-    """Rank 0: receives each placeholder's pieces into one of two reused byte buffers, the next expected one ahead."""
+    """Rank 0: receives the other ranks' pieces into one reused ring of bytes, as many ahead of the writer, in the
+    order it will write them, as the ring holds; a piece is given back once written (first in, first out)."""
 
     def __init__(self, records: dict[int, _Record], group: Any = None) -> None:
         self.records = records
         self.group = group
-        self.expects: list[int] = []
-        self._next = 0  # expects[:_next] are all received or on their way
-        self.capacity = max((r.nbytes for r in records.values()), default=0)
-        self.buffers = 0
-        self._free: list[torch.Tensor] = []
-        self._done: set[int] = set()
-        self._ahead: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        self.expecting = False
+        self._parts = {
+            tag: (record, start, end, src) for record in records.values() for start, end, src, tag in record.parts
+        }
+        sizes = [self._size(tag) for tag in self._parts]
+        largest = _aligned(max(sizes, default=0))
+        self.capacity = max(2 * largest, min(_AHEAD_BYTES, _aligned(sum(sizes) // 8))) if sizes else 0
+        self._ring: torch.Tensor | None = None
+        self._slots: deque[list[int]] = deque()  # [offset, size, given back] of what the ring holds, oldest first
+        self._plan: deque[int] = deque()  # tags still to receive ahead, in writing order
+        self._posted: dict[int, tuple[torch.Tensor, Any, list[int] | None]] = {}  # tag -> (bytes, work, slot)
+        self._started: set[int] = set()  # tags received or on their way
+        self._assembly: torch.Tensor | None = None
+        self._segments: dict[int, list[tuple[int, int, torch.Tensor | None, int]]] = {}  # see arrange
 
     def expect(self, order: list[int]) -> None:
-        self.expects = [address for address in order if address in self.records]
+        """The placeholders' addresses in the order the writer will meet them: their pieces are received ahead."""
+        self.expecting = True
+        ordered = [self.records[address] for address in order if address in self.records]
+        self._plan = deque(tag for record in ordered for _, _, _, tag in sorted(record.parts))
+        self._pump()
 
-    def fetch(self, address: int) -> torch.Tensor:
-        """The byte buffer holding the tensor planned under ``address`` (give it back with :meth:`release`)."""
-        entry = self._ahead.pop(address, None)
-        if entry is None:
-            entry = self._post(address, self._buffer())
-        self._done.add(address)
-        self._prefetch()
-        buffer, works = entry
-        for work in works:
-            work.wait()
-        return buffer
+    def arrange(self) -> None:
+        """Order each placeholder's pieces; a placeholder they do not cover raises before anything is written."""
+        for address, record in self.records.items():
+            own = [(start, end, piece, 0) for start, end, piece in record.own]
+            segments = sorted(own + [(start, end, None, tag) for start, end, _, tag in record.parts], key=_start)
+            position, numel = 0, record.placeholder.numel()
+            for start, end, _, _ in [*segments, (numel, numel, None, 0)]:
+                if start != position:
+                    raise RuntimeError(
+                        f"the pieces of a gathered tensor of shape {tuple(record.placeholder.shape)} leave elements "
+                        f"[{position}, {start}) out"
+                    )
+                position = end
+            self._segments[address] = segments
 
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.append(buffer)
+    def chunks(self, record: _Record) -> Iterator[torch.Tensor]:
+        """``record``'s bytes, piece by piece in order (each a contiguous uint8 tensor, valid until the next)."""
+        for _, _, piece, tag in self._segments[record.address]:
+            if piece is not None:
+                yield _bytes(piece, record.placeholder.dtype)
+                continue
+            yield self._take(tag)
+            self._give_back(tag)
+
+    def assemble(self, record: _Record) -> torch.Tensor:
+        """``record``'s bytes in one reused buffer (for a writer that reads them all at once)."""
+        if self._assembly is None:
+            self._assembly = torch.empty(max(r.nbytes for r in self.records.values()), dtype=torch.uint8)
+        offset = 0
+        for chunk in self.chunks(record):
+            self._assembly[offset : offset + chunk.numel()].copy_(chunk)
+            offset += chunk.numel()
+        return self._assembly[:offset]
 
     def drain(self) -> None:
         """Receive, and drop, every piece not received yet, so that no sender waits forever."""
         try:
-            for address in self.records:
-                if address in self._done:
-                    continue
-                self.release(self.fetch(address))
+            for tag in list(self._posted):
+                self._posted.pop(tag)[1].wait()
+            missing = [tag for tag in self._parts if tag not in self._started]
+            scratch = torch.empty(max(map(self._size, missing), default=0), dtype=torch.uint8)
+            for tag in missing:
+                self._post(tag, scratch[: self._size(tag)], None)
+                self._posted.pop(tag)[1].wait()
         except Exception as err:  # noqa: BLE001 - a lost peer; the save fails on its own error
             log.warning(f"a full checkpoint's pieces could not all be received after the write stopped: {err}")
 
-    def _buffer(self) -> torch.Tensor:
-        if self._free:
-            return self._free.pop()
-        self.buffers += 1
-        return torch.empty(self.capacity, dtype=torch.uint8)
+    def _size(self, tag: int) -> int:
+        record, start, end, _ = self._parts[tag]
+        return (end - start) * record.placeholder.element_size()
 
-    def _prefetch(self) -> None:
-        if self._ahead or (not self._free and self.buffers >= 2):
-            return
-        while self._next < len(self.expects) and self.expects[self._next] in self._done:
-            self._next += 1
-        if self._next < len(self.expects):
-            upcoming = self.expects[self._next]
-            self._ahead[upcoming] = self._post(upcoming, self._buffer())
+    def _take(self, tag: int) -> torch.Tensor:
+        """The bytes of piece ``tag``, received (ahead into the ring, else now into memory of their own)."""
+        if tag not in self._posted:
+            self._pump()
+        if tag not in self._posted:  # met out of the expected order
+            self._post(tag, torch.empty(self._size(tag), dtype=torch.uint8), None)
+        data, work, _ = self._posted[tag]
+        work.wait()
+        return data
 
-    def _post(self, address: int, buffer: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    def _give_back(self, tag: int) -> None:
+        slot = self._posted.pop(tag)[2]
+        if slot is not None:
+            slot[2] = True
+            while self._slots and self._slots[0][2]:
+                self._slots.popleft()
+        self._pump()
+
+    def _pump(self) -> None:
+        """Post the receives of the next planned pieces while the ring has room for them."""
+        while self._plan:
+            tag = self._plan[0]
+            if tag in self._started:
+                self._plan.popleft()
+                continue
+            size = self._size(tag)
+            offset = self._room(_aligned(size))
+            if offset is None:
+                return
+            if self._ring is None:
+                self._ring = torch.empty(self.capacity, dtype=torch.uint8)
+            slot = [offset, _aligned(size), False]
+            self._slots.append(slot)
+            self._post(tag, self._ring[offset : offset + size], slot)
+            self._plan.popleft()
+
+    def _room(self, size: int) -> int | None:
+        """Where in the ring ``size`` bytes fit after the newest slot, without reaching the oldest; None: nowhere."""
+        if not self._slots:
+            return 0 if size <= self.capacity else None
+        first, (last, last_size, _) = self._slots[0][0], self._slots[-1]
+        end = last + last_size
+        if last >= first:  # in use: [first, end)
+            if end + size <= self.capacity:
+                return end
+            return 0 if size <= first else None
+        return end if end + size <= first else None  # in use: [first, capacity) and [0, end)
+
+    def _post(self, tag: int, data: torch.Tensor, slot: list[int] | None) -> None:
         import torch.distributed as dist
 
-        record = self.records[address]
-        flat = buffer[: record.nbytes].view(record.placeholder.dtype)
-        for start, end, piece in record.own:
-            flat[start:end].copy_(piece.reshape(-1))
-        works = [
-            dist.irecv(flat[start:end], src=src, tag=tag, group=self.group) for start, end, src, tag in record.parts
-        ]
-        return buffer, works
+        record, _, _, src = self._parts[tag]
+        work = dist.irecv(data.view(record.placeholder.dtype), src=src, tag=tag, group=self.group)
+        self._started.add(tag)
+        self._posted[tag] = (data, work, slot)
+
+
+def _start(segment: tuple[Any, ...]) -> int:
+    return segment[0]
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGNMENT) * _ALIGNMENT
