@@ -50,9 +50,10 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
     assert result["local_same_as_torchs"]
     assert result["local_keys"] == ["0._flat_param", "0.scale", "1._flat_param", "1.scale", "_flat_param"]
     assert result["local_keys_with_foreign_hook"] == sorted([*result["local_keys"], "0.extra"])
-    # streamed (checkpoint/streaming.py): the file reads back as the gathered state, plainly and memory-mapped
+    # streamed (checkpoint/streaming.py): the file reads back as the gathered state, plainly and memory-mapped; with
+    # CRC32s (each tensor assembled first) too, and zipfile finds every CRC32 right
     assert result["streamed_planned"]
-    assert result["streamed_differences"] == {"load": [], "mmap": []}
+    assert result["streamed_differences"] == {"load": [], "mmap": [], "crc32": [], "crc32_mismatch": None}
     if world_size == 2:
         _check_stream_memory_and_failure(run.out)
 

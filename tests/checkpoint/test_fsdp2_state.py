@@ -19,6 +19,6 @@ def test_full_state_equals_torchs_bitwise(scenario, world_size):
     assert result["model_keys_in_order"]
     assert result["optimizer_keys_in_order"]
     assert result["streamed_planned"]  # saved streamed (checkpoint/streaming.py): reads back as the gathered state
-    assert result["streamed_differences"] == {"load": [], "mmap": []}
+    assert result["streamed_differences"] == {"load": [], "mmap": [], "crc32": [], "crc32_mismatch": None}
     for rank in range(1, world_size):  # only rank 0 holds the full state
         assert json.loads((run.out / f"fsdp2_state_rank{rank}.json").read_text()) == {"model": 0, "optimizer": 0}

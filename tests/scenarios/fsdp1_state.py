@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,11 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
-def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True) -> bool:
-    """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first); whether the stream
-    planned anything."""
+def streamed_full_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True, crc32: bool = False
+) -> bool:
+    """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first), with CRC32s or without
+    (``checkpoint_crc32``); whether the stream planned anything."""
     from lightning_gaudi_fsdp.checkpoint import formats
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
@@ -70,19 +73,34 @@ def streamed_full_save(model: nn.Module, optimizer: torch.optim.Optimizer, path:
         world_size=world_size,
         gather=lambda obj: gather_objects(obj, world_size),
         stream=plan,
+        crc32=crc32,
     )
     return plan is not None and plan.pending
 
 
-def streamed_differences(eager: dict, path: Path) -> dict:
-    """What differs between the gathered full state ``eager`` (``model``, ``optimizer_0``) and the streamed file at
-    ``path``, read plainly and memory-mapped (key order included)."""
+def streamed_full_saves(model: nn.Module, optimizer: torch.optim.Optimizer, out: Path) -> bool:
+    """The streamed saves :func:`streamed_differences` reads: without CRC32s (rank 0 writes the pieces where torch's
+    writer hands over each tensor) and with them (each tensor assembled first); whether both planned anything."""
+    plain = streamed_full_save(model, optimizer, out / "streamed.ckpt")
+    return streamed_full_save(model, optimizer, out / "streamed_crc32.ckpt", crc32=True) and plain
+
+
+def streamed_differences(eager: dict, out: Path) -> dict:
+    """What differs between the gathered full state ``eager`` (``model``, ``optimizer_0``) and the files of
+    :func:`streamed_full_saves`: read plainly, memory-mapped and, with CRC32s, plainly (key order included); and
+    the first record of the latter whose CRC32 does not match its bytes (``zipfile``'s ``testzip``; None: none)."""
     result = {}
-    for how, kwargs in (("load", {}), ("mmap", {"mmap": True})):
-        saved = torch.load(path, weights_only=True, **kwargs)
+    for how, name, kwargs in (
+        ("load", "streamed.ckpt", {}),
+        ("mmap", "streamed.ckpt", {"mmap": True}),
+        ("crc32", "streamed_crc32.ckpt", {}),
+    ):
+        saved = torch.load(out / name, weights_only=True, **kwargs)
         result[how] = _differences(
             eager, {"model": saved["state_dict"], "optimizer_0": saved["optimizer_states"][0]}
         ) + ([] if list(saved["state_dict"]) == list(eager["model"]) else ["model key order"])
+    with zipfile.ZipFile(out / "streamed_crc32.ckpt") as archive:
+        result["crc32_mismatch"] = archive.testzip()
     return result
 
 
@@ -196,7 +214,7 @@ def main() -> None:
     local_with_hook = sorted(fsdp1_io.model_state_dict(model, "local", "cpu"))
     hook.remove()
     # The same full checkpoint saved streamed: no tensor gathered before the write, the file reads back the same.
-    streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")
+    streamed_planned = streamed_full_saves(model, optimizer, out)
     if cfg.get("stream_memory"):
         stream_memory(out)
     for name, state in (("ours", ours["sharded"]), ("theirs", theirs["sharded"])):
@@ -223,7 +241,7 @@ def main() -> None:
                 "local_keys": sorted(local_ours),
                 "local_keys_with_foreign_hook": local_with_hook,
                 "streamed_planned": streamed_planned,
-                "streamed_differences": streamed_differences(ours["full"], out / "streamed.ckpt"),
+                "streamed_differences": streamed_differences(ours["full"], out),
             },
         )
     dist.barrier()

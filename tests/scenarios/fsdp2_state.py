@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import load_config, write_json
-from fsdp1_state import Block, _differences, streamed_differences, streamed_full_save
+from fsdp1_state import Block, _differences, streamed_differences, streamed_full_saves
 from torch import nn
 
 
@@ -46,7 +46,7 @@ def main() -> None:
         "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
     }
     # The same full checkpoint saved streamed (checkpoint/streaming.py): read back, it equals the gathered state.
-    streamed_planned = streamed_full_save(model, optimizer, out / "streamed.ckpt")
+    streamed_planned = streamed_full_saves(model, optimizer, out)
     if rank == 0:
         theirs["optimizer"] = pieces.optimizer_state_by_id(theirs["optimizer"], fsdp2_state.parameter_names(model))
         write_json(
@@ -59,7 +59,7 @@ def main() -> None:
                 "optimizer_keys_in_order": list(ours["optimizer"]["state"]) == list(theirs["optimizer"]["state"]),
                 "streamed_planned": streamed_planned,
                 "streamed_differences": streamed_differences(
-                    {"model": ours["model"], "optimizer_0": ours["optimizer"]}, out / "streamed.ckpt"
+                    {"model": ours["model"], "optimizer_0": ours["optimizer"]}, out
                 ),
             },
         )
