@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -231,10 +230,39 @@ class _File:
 
 
 def _address(data: Any) -> int:
-    """Where the bytes of a (read-only) buffer torch's writer hands over start."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; it is only looked at
-        return torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    """Where the bytes of a buffer start (a read-only one too, as torch's writer hands over: ``torch.frombuffer``
+    would warn about it, and silencing that is not thread-safe while a background save writes)."""
+    view = _PyBuffer()
+    if _get_buffer(data, ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE
+        raise TypeError(f"a {type(data).__name__} has no buffer to write")
+    try:
+        return int(view.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(view))
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (its layout is part of the stable ABI)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)(
+    ("PyObject_GetBuffer", ctypes.pythonapi)
+)
+_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(("PyBuffer_Release", ctypes.pythonapi))
 
 
 def _raw(chunk: torch.Tensor) -> Any:
