@@ -344,3 +344,44 @@ def test_doctor_judges_fsdp2s_hpu_kernels_only_for_an_hpu_target(fake_gaudi, mon
         f"[{status}] FSDP2 engine (fsdp_version=2)  available: fully_shard, SUM reductions on hccl, HPU kernels {state}"
     )
     assert (fix in out) is not kernels
+
+
+_HOST_GATHER_SCRIPT = """
+import json, sys, tempfile
+import torch, torch.distributed as dist
+import habana_frameworks.torch.distributed.hccl  # the double: an "hccl" backend, which runs over gloo here
+from lightning_gaudi_fsdp.engine import fsdp2_state
+from lightning_gaudi_fsdp.engine.pieces import carries_host_tensors
+
+seen = {}
+for backend in ("gloo", "hccl"):
+    dist.init_process_group(backend, init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    seen[backend] = {"carries": carries_host_tensors()}
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8):  # the FSDP2 engine's torch
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(torch.nn.Linear(4, 4))  # shards in host memory
+        seen[backend]["fsdp2_gathers_itself"] = fsdp2_state._gathers_to_rank0(model)
+    dist.destroy_process_group()
+print(json.dumps(seen))
+"""
+
+
+def test_shards_offloaded_to_host_memory_are_gathered_by_torch_on_hccl(tmp_path):
+    """With ``cpu_offload`` on Gaudi the shards sit in host memory, but ``hccl`` carries device tensors: a full
+    state is then gathered by torch's state dicts (which bring the shards to the device), not by the package's host
+    gathers, which stay on gloo (the CPU rehearsal)."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _HOST_GATHER_SCRIPT], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["gloo"]["carries"] is True
+    assert seen["hccl"]["carries"] is False
+    if "fsdp2_gathers_itself" in seen["gloo"]:
+        assert seen["gloo"]["fsdp2_gathers_itself"] is True
+        assert seen["hccl"]["fsdp2_gathers_itself"] is False

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
-from lightning_gaudi_fsdp.engine.pieces import chunk_spans, gather_pieces, param_groups_by_id
+from lightning_gaudi_fsdp.engine.pieces import carries_host_tensors, chunk_spans, gather_pieces, param_groups_by_id
 
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -284,9 +284,9 @@ def _place(
 
 # ------------------------------------------------------------------------------------------- full, gathered on rank 0
 def supports_full(model: Module) -> bool:
-    """Whether :func:`full_model_state_dict` applies: :func:`supported`, with the shards in host memory (the pieces
-    travel over the default group, which on an accelerator's backend does not carry host tensors)."""
-    return supported(model) and all(unit.local.device.type == "cpu" for unit in units(model))
+    """Whether :func:`full_model_state_dict` applies: :func:`supported`, with the shards in host memory and a default
+    group that carries them (:func:`~.pieces.carries_host_tensors`: not ``hccl``, with ``cpu_offload`` on Gaudi)."""
+    return supported(model) and all(unit.local.device.type == "cpu" for unit in units(model)) and carries_host_tensors()
 
 
 def full_model_state_dict(model: Module, rest: dict[str, Any], stream: FullStream | None = None) -> dict[str, Any]:

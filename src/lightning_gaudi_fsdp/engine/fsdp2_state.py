@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.engine.pieces import (
+    carries_host_tensors,
     chunk_spans,
     gather_pieces,
     optimizer_state_by_id,
@@ -87,11 +88,12 @@ def _layout(shape: tuple[int, ...], world_size: int) -> _Layout:
 
 def _gathers_to_rank0(model: Module) -> bool:
     """Whether :func:`full_model_state_dict` applies: every parameter a DTensor sharded on dim 0 over a 1-D mesh of
-    all ranks of the default group, in host memory (the pieces travel over the default group)."""
+    all ranks of the default group, in host memory, and a default group that carries them (the pieces travel over it:
+    :func:`~.pieces.carries_host_tensors`, not ``hccl``)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or not carries_host_tensors():
         return False
     ranks = list(range(dist.get_world_size()))
     return all(

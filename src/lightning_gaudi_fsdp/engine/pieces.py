@@ -52,6 +52,15 @@ def param_groups_by_id(groups: Sequence[Mapping[str, Any]], ids: Mapping[int, in
     return out
 
 
+def carries_host_tensors(group: Any = None) -> bool:
+    """Whether ``group`` (default: the default group) sends tensors in host memory, as the package's own gathers of
+    shards in host memory need: gloo's does (the CPU rehearsal). An accelerator's backend (``hccl`` on Gaudi) carries
+    device tensors, so shards offloaded to host memory (``cpu_offload``) are gathered by torch's state dicts there."""
+    import torch.distributed as dist
+
+    return "gloo" in str(dist.get_backend(group))
+
+
 def gather_pieces(
     pieces: list[tuple[Any, torch.Tensor | None, Any, torch.dtype]], stream: FullStream | None = None
 ) -> list[Any]:
