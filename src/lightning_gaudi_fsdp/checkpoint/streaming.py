@@ -295,7 +295,7 @@ class _Receiver:
         self._ring: torch.Tensor | None = None
         self._slots: deque[list[int]] = deque()  # [offset, size, given back] of what the ring holds, oldest first
         self._plan: deque[int] = deque()  # tags still to receive ahead, in writing order
-        self._posted: dict[int, tuple[torch.Tensor, Any, list[int] | None]] = {}  # tag -> (bytes, work, slot)
+        self._posted: dict[int, tuple[torch.Tensor, Any, list[int] | None]] = {}  # tag -> (bytes, work|None, slot)
         self._started: set[int] = set()  # tags received or on their way
         self._assembly: torch.Tensor | None = None
         self._segments: dict[int, list[tuple[int, int, torch.Tensor | None, int]]] = {}  # see arrange
@@ -345,7 +345,9 @@ class _Receiver:
         """Receive, and drop, every piece not received yet, so that no sender waits forever."""
         try:
             for tag in list(self._posted):
-                self._posted.pop(tag)[1].wait()
+                work = self._posted.pop(tag)[1]
+                if work is not None:  # a piece taken when the write stopped was waited for already
+                    work.wait()
             missing = [tag for tag in self._parts if tag not in self._started]
             scratch = torch.empty(max(map(self._size, missing), default=0), dtype=torch.uint8)
             for tag in missing:
@@ -364,8 +366,9 @@ class _Receiver:
             self._pump()
         if tag not in self._posted:  # met out of the expected order
             self._post(tag, torch.empty(self._size(tag), dtype=torch.uint8), None)
-        data, work, _ = self._posted[tag]
+        data, work, slot = self._posted[tag]
         work.wait()
+        self._posted[tag] = (data, None, slot)  # a gloo work waited twice waits for a second message, forever
         return data
 
     def _give_back(self, tag: int) -> None:
