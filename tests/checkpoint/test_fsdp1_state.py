@@ -13,6 +13,16 @@ from lightning_gaudi_fsdp.engine.fsdp1_state import row_major_boxes
 
 pytestmark = pytest.mark.versions
 
+# what differs between the gathered full state and the streamed files of tests/scenarios/fsdp1_state.py: nothing
+STREAMED_AS_GATHERED = {
+    "load": [],
+    "mmap": [],
+    "crc32": [],
+    "received": [],
+    "crc32_mismatch": None,
+    "received_same_bytes": True,
+}
+
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3), (1, 6), (2, 2, 2, 3)])
 def test_a_run_of_elements_is_covered_by_few_boxes_in_order(shape):
@@ -50,28 +60,37 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
     assert result["local_same_as_torchs"]
     assert result["local_keys"] == ["0._flat_param", "0.scale", "1._flat_param", "1.scale", "_flat_param"]
     assert result["local_keys_with_foreign_hook"] == sorted([*result["local_keys"], "0.extra"])
-    # streamed (checkpoint/streaming.py): the file reads back as the gathered state, plainly and memory-mapped; with
-    # CRC32s (each tensor assembled first) too, and zipfile finds every CRC32 right
-    assert result["streamed_planned"]
-    assert result["streamed_differences"] == {"load": [], "mmap": [], "crc32": [], "crc32_mismatch": None}
+    # streamed (checkpoint/streaming.py): rank 1 writes its pieces into the file itself; with CRC32s (rank 0 reads
+    # every byte) and where told not to (as on another host) rank 0 receives them
+    assert result["streamed_planned"] == ["in place", "received", "received"]
+    # the file reads back as the gathered state, plainly and memory-mapped; with CRC32s (each tensor assembled first)
+    # too, and zipfile finds every CRC32 right; received over the connections, it is the same file byte for byte
+    assert result["streamed_differences"] == STREAMED_AS_GATHERED
     if world_size == 2:
         _check_stream_memory_and_failure(run.out)
 
 
 def _check_stream_memory_and_failure(out):
-    """A streamed full save adds to rank 0's memory about its receive ring, not the state (an eager save adds
-    the state); a write that fails midway on rank 0 fails on every rank, quickly, and the next save succeeds."""
+    """A streamed full save adds to rank 0's memory about its receive ring at most, not the state (an eager save
+    adds the state); a write that fails midway fails on every rank, quickly, on rank 0 whether rank 1 writes its
+    pieces in place or sends them, and on rank 1 writing in place; nothing is left, and the next save succeeds."""
     records = [json.loads((out / f"stream_memory{rank}.json").read_text()) for rank in (0, 1)]
     zero = records[0]
     assert zero["streamed_planned"]
     assert not zero["eager_planned"]
     assert zero["eager_peak_growth"] > 0.6 * zero["state_bytes"], zero  # the measurement sees a gathered state
     assert zero["streamed_peak_growth"] < 0.25 * zero["state_bytes"], zero  # a ring of two 4 MiB pieces
-    assert [r["failure"]["type"] for r in records] == ["CheckpointSaveError"] * 2, records
-    assert records[0]["failure"]["message"] == records[1]["failure"]["message"]
-    assert "rank 0 failed while writing" in zero["failure"]["message"]
-    assert "File too large" in zero["failure"]["message"], zero["failure"]
-    assert all(r["failure_seconds"] < 20 for r in records), records
-    assert zero["left"] == []  # nothing staged is left behind
+    for failure in ("failure", "failure_received", "failure_writer"):
+        assert [r[failure]["type"] for r in records] == ["CheckpointSaveError"] * 2, records
+        assert records[0][failure]["message"] == records[1][failure]["message"]
+        assert all(r[f"{failure}_seconds"] < 20 for r in records), records
+        assert zero[f"left{failure[7:]}"] == []  # nothing staged is left behind
+    for failure in ("failure", "failure_received"):
+        assert "rank 0 failed while writing" in zero[failure]["message"]
+        assert "File too large" in zero[failure]["message"], zero[failure]
+    message = zero["failure_writer"]["message"]  # rank 1's own error, and rank 0's word that rank 1 failed
+    assert "ranks 0, 1 failed while writing" in message, message
+    assert "rank(s) [1] could not write their pieces of the full checkpoint into the file" in message, message
+    assert "File too large" in message, message
     assert all(r["after_failure_planned"] for r in records)
     assert zero["after_failure_keys"] == 6

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from checkpoint.test_fsdp1_state import STREAMED_AS_GATHERED
+
 pytestmark = [pytest.mark.versions, pytest.mark.fsdp2]
 
 
@@ -18,7 +20,9 @@ def test_full_state_equals_torchs_bitwise(scenario, world_size):
     assert result["differences"] == []  # weights, buffers, AdamW state and param groups on rank 0
     assert result["model_keys_in_order"]
     assert result["optimizer_keys_in_order"]
-    assert result["streamed_planned"]  # saved streamed (checkpoint/streaming.py): reads back as the gathered state
-    assert result["streamed_differences"] == {"load": [], "mmap": [], "crc32": [], "crc32_mismatch": None}
+    # saved streamed (checkpoint/streaming.py), rank 1's pieces written in place by it, and received (with CRC32s,
+    # and as from another host): each reads back as the gathered state
+    assert result["streamed_planned"] == ["in place", "received", "received"]
+    assert result["streamed_differences"] == STREAMED_AS_GATHERED
     for rank in range(1, world_size):  # only rank 0 holds the full state
         assert json.loads((run.out / f"fsdp2_state_rank{rank}.json").read_text()) == {"model": 0, "optimizer": 0}

@@ -48,11 +48,20 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 
 def streamed_full_save(
-    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, stream: bool = True, crc32: bool = False
-) -> bool:
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    *,
+    stream: bool = True,
+    crc32: bool = False,
+    in_place: bool = True,
+) -> str:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first), with CRC32s or without
-    (``checkpoint_crc32``); whether the stream planned anything."""
-    from lightning_gaudi_fsdp.checkpoint import formats
+    (``checkpoint_crc32``), the other ranks writing their pieces into the file themselves if ``in_place`` and they
+    can (else sending them over the connections, as ranks on other hosts do). Returns how the pieces went:
+    ``"in place"`` or ``"received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the stream planned
+    nothing."""
+    from lightning_gaudi_fsdp.checkpoint import formats, streaming
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
     from lightning_gaudi_fsdp.engine.pieces import gather_objects
@@ -65,35 +74,48 @@ def streamed_full_save(
         "optimizer_states": [engine.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
         "epoch": 3,
     }
-    formats.save(
-        "full",
-        checkpoint,
-        path,
-        rank=rank,
-        world_size=world_size,
-        gather=lambda obj: gather_objects(obj, world_size),
-        stream=plan,
-        crc32=crc32,
-    )
-    return plan is not None and plan.pending
+    default = streaming._IN_PLACE
+    streaming._IN_PLACE = default and in_place
+    try:
+        formats.save(
+            "full",
+            checkpoint,
+            path,
+            rank=rank,
+            world_size=world_size,
+            gather=lambda obj: gather_objects(obj, world_size),
+            stream=plan,
+            crc32=crc32,
+        )
+    finally:
+        streaming._IN_PLACE = default
+    if plan is None or not plan.pending:
+        return ""
+    return "in place" if plan.in_place else "received" if rank == 0 else "sent"
 
 
-def streamed_full_saves(model: nn.Module, optimizer: torch.optim.Optimizer, out: Path) -> bool:
-    """The streamed saves :func:`streamed_differences` reads: without CRC32s (rank 0 writes the pieces where torch's
-    writer hands over each tensor) and with them (each tensor assembled first); whether both planned anything."""
-    plain = streamed_full_save(model, optimizer, out / "streamed.ckpt")
-    return streamed_full_save(model, optimizer, out / "streamed_crc32.ckpt", crc32=True) and plain
+def streamed_full_saves(model: nn.Module, optimizer: torch.optim.Optimizer, out: Path) -> list[str]:
+    """The streamed saves :func:`streamed_differences` reads: without CRC32s (the other ranks write their pieces
+    where torch's writer hands over each tensor, rank 0 its own), with them (each tensor assembled first on rank 0),
+    and without CRC32s but received (as from ranks on other hosts); how each went (see :func:`streamed_full_save`)."""
+    return [
+        streamed_full_save(model, optimizer, out / "streamed.ckpt"),
+        streamed_full_save(model, optimizer, out / "streamed_crc32.ckpt", crc32=True),
+        streamed_full_save(model, optimizer, out / "streamed_received.ckpt", in_place=False),
+    ]
 
 
 def streamed_differences(eager: dict, out: Path) -> dict:
     """What differs between the gathered full state ``eager`` (``model``, ``optimizer_0``) and the files of
-    :func:`streamed_full_saves`: read plainly, memory-mapped and, with CRC32s, plainly (key order included); and
-    the first record of the latter whose CRC32 does not match its bytes (``zipfile``'s ``testzip``; None: none)."""
-    result = {}
+    :func:`streamed_full_saves`: read plainly, memory-mapped and, with CRC32s or received, plainly (key order
+    included); the first record of the CRC32 file whose CRC32 does not match its bytes (``zipfile``'s ``testzip``;
+    None: none); and whether the received file is byte for byte the one written in place."""
+    result: dict[str, Any] = {}
     for how, name, kwargs in (
         ("load", "streamed.ckpt", {}),
         ("mmap", "streamed.ckpt", {"mmap": True}),
         ("crc32", "streamed_crc32.ckpt", {}),
+        ("received", "streamed_received.ckpt", {}),
     ):
         saved = torch.load(out / name, weights_only=True, **kwargs)
         result[how] = _differences(
@@ -101,6 +123,8 @@ def streamed_differences(eager: dict, out: Path) -> dict:
         ) + ([] if list(saved["state_dict"]) == list(eager["model"]) else ["model key order"])
     with zipfile.ZipFile(out / "streamed_crc32.ckpt") as archive:
         result["crc32_mismatch"] = archive.testzip()
+    received, in_place = (out / "streamed_received.ckpt").read_bytes(), (out / "streamed.ckpt").read_bytes()
+    result["received_same_bytes"] = received == in_place
     return result
 
 
@@ -130,20 +154,22 @@ def stream_memory(out: Path) -> None:
         record[f"{name}_peak_growth"] = sampler.peak - sampler.base
         if rank == 0:
             (out / f"wide_{name}.ckpt").unlink()
-    # A write that fails midway on rank 0: the file may not grow past 8 MiB (EFBIG instead of SIGXFSZ).
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if rank == 0:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))
-    started = time.monotonic()
-    try:
-        streamed_full_save(model, optimizer, out / "wide_failing.ckpt")
-        record["failure"] = None
-    except Exception as err:  # noqa: BLE001 - recorded for the test
-        record["failure"] = {"type": type(err).__name__, "message": str(err)}
-    record["failure_seconds"] = time.monotonic() - started
-    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    record["left"] = sorted(p.name for p in out.iterdir() if "wide_failing" in p.name)
+    # A write that fails midway (the file may not grow past 8 MiB for one rank: EFBIG instead of SIGXFSZ): on rank 0,
+    # the other rank's pieces written in place or received; on rank 1, writing its pieces in place.
+    for suffix, in_place, failing in (("", True, 0), ("_received", False, 0), ("_writer", True, 1)):
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if rank == failing:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))
+        started = time.monotonic()
+        try:
+            streamed_full_save(model, optimizer, out / "wide_failing.ckpt", in_place=in_place)
+            record[f"failure{suffix}"] = None
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            record[f"failure{suffix}"] = {"type": type(err).__name__, "message": str(err)}
+        record[f"failure{suffix}_seconds"] = time.monotonic() - started
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        record[f"left{suffix}"] = sorted(p.name for p in out.iterdir() if "wide_failing" in p.name)
     # the process group is still in step: the next streamed save succeeds
     record["after_failure_planned"] = streamed_full_save(model, optimizer, out / "wide_after.ckpt")
     if rank == 0:

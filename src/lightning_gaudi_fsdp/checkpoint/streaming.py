@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _AHEAD_BYTES = 64 << 20  # what rank 0 receives ahead of its writes, at most (or two of the largest pieces)
 _ALIGNMENT = 64  # of each piece in the ring: any dtype's view of it is aligned
+_IN_PLACE = True  # whether ranks on rank 0's host write their pieces into the checkpoint file themselves
+_CONTROL_TAG = 0  # rank 0's handshake and requests (pieces are tagged 1, 2, ...)
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the same on every process of one running kernel, and only there
 
 
 def available() -> bool:
@@ -84,6 +88,7 @@ class FullStream:
         self._tag = 0
         self._records: dict[int, _Record] = {}  # rank 0: placeholder storage address -> record
         self._sends: list[tuple[torch.Tensor, int]] = []  # other ranks: (piece, tag)
+        self.in_place = False  # whether the last save's other-rank pieces were written into the file by their ranks
 
     @property
     def pending(self) -> bool:
@@ -143,12 +148,21 @@ class FullStream:
         return self.rank == 0 and tensor.untyped_storage().data_ptr() in self._records
 
     def send(self) -> None:
-        """Other ranks: send every planned piece to rank 0 and wait until each was received."""
+        """Other ranks: write every planned piece into the checkpoint file where rank 0 asks, if this rank can open
+        that file (:meth:`_Receiver.connect`), else send it to rank 0; return once each is written or received."""
         import torch.distributed as dist
 
-        works = [dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends]
-        for work in works:
-            work.wait()
+        fd = _open_checkpoint(self.group)
+        self.in_place = fd is not None
+        if fd is None:
+            works = [dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends]
+            for work in works:
+                work.wait()
+            return
+        try:
+            _serve(fd, {tag: piece for piece, tag in self._sends}, self.group)
+        finally:
+            os.close(fd)
 
     def write(self, obj: Any, file: Path) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
@@ -159,13 +173,19 @@ class FullStream:
             receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
             with open(file, "wb") as handle:
+                receiver.connect(handle if direct else None, Path(file))
+                self.in_place = bool(receiver.writers)
                 sink = _File(handle, receiver) if direct else handle
                 torch_internals.save_through(obj, sink, lambda writer: _Writer(writer, receiver, order, sink))
+                receiver.finish()
         finally:
             receiver.drain()
+        received = len(receiver.sources) - len(receiver.writers)
         log.debug(
-            f"streamed {len(self._records)} gathered tensors into {str(file)!r}, "
-            f"receiving ahead into {receiver.capacity} bytes{'' if direct else ' and assembling each'}"
+            f"streamed {len(self._records)} gathered tensors into {str(file)!r}: {len(receiver.writers)} rank(s) "
+            f"wrote their pieces in place, {received} sent them"
+            + (f", received ahead into {receiver.capacity} bytes" if received else "")
+            + ("" if direct else ", each tensor assembled")
         )
 
 
@@ -221,7 +241,11 @@ class _File:
         if record is not None and len(data) == record.nbytes and _address(data) == record.address:
             self.pending = None
             for chunk in self._receiver.chunks(record):
-                self._handle.write(_raw(chunk))
+                if isinstance(chunk, _Hole):  # its rank writes it there itself
+                    self._receiver.place(chunk.tag, self._handle.tell())
+                    self._handle.seek(chunk.size, os.SEEK_CUR)
+                else:
+                    self._handle.write(_raw(chunk))
             return len(data)
         return self._handle.write(data)
 
@@ -279,8 +303,11 @@ def _bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Receiver:
-    """Rank 0: receives the other ranks' pieces into one reused ring of bytes, as many ahead of the writer, in the
-    order it will write them, as the ring holds; a piece is given back once written (first in, first out)."""
+    """Rank 0: takes the other ranks' pieces. A rank that can open the checkpoint file rank 0 writes (on the same
+    host: :meth:`connect`) writes each piece into it itself, where rank 0 asks when its writer reaches the piece
+    (:meth:`place`), while rank 0 writes on past it; nothing but the requests and answers travel. The others' pieces
+    are received into one reused ring of bytes, as many ahead of the writer, in the order it will write them, as the
+    ring holds; a piece is given back once written (first in, first out)."""
 
     def __init__(self, records: dict[int, _Record], group: Any = None) -> None:
         self.records = records
@@ -299,12 +326,70 @@ class _Receiver:
         self._started: set[int] = set()  # tags received or on their way
         self._assembly: torch.Tensor | None = None
         self._segments: dict[int, list[tuple[int, int, torch.Tensor | None, int]]] = {}  # see arrange
+        self.sources = sorted({src for _, _, _, src in self._parts.values()})
+        self.writers: set[int] = set()  # sources that write their pieces into the file (see connect)
+        self._placed: dict[int, tuple[list[Any], torch.Tensor]] = {}  # tag -> (request's works, answer: 0 written)
+        self._connected = False
+
+    def connect(self, handle: Any = None, file: Path | None = None) -> None:
+        """Agree with every source how its pieces come: rank 0 names the file it writes (``handle``: open on
+        ``file``; None: do not write in place) by path, device, inode and the kernel's boot id; a source that opens
+        that path and finds the same file under the same kernel answers 1 and writes its pieces there itself, any
+        other answers 0 and sends them (another host, another mount namespace)."""
+        import torch.distributed as dist
+
+        if not self.sources or self._connected:
+            return
+        self._connected = True
+        in_place = handle is not None and file is not None and _IN_PLACE and _boot_id()
+        path = os.path.abspath(file).encode() if in_place else b""
+        stat = os.fstat(handle.fileno()) if path else None
+        hello = torch.tensor(
+            [_boot_id() if path else 0, stat.st_dev if stat else 0, stat.st_ino if stat else 0, len(path)],
+            dtype=torch.int64,
+        )
+        answers = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
+        works = [dist.isend(hello, dst=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
+        if path:
+            name = torch.frombuffer(bytearray(path), dtype=torch.uint8)
+            works += [dist.isend(name, dst=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
+        works += [dist.irecv(answers[src], src=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
+        _wait(works)
+        self.writers = {src for src, answer in answers.items() if int(answer) == 1}
+
+    def place(self, tag: int, offset: int) -> None:
+        """Ask piece ``tag``'s rank to write it into the file at byte ``offset``."""
+        import torch.distributed as dist
+
+        src = self._parts[tag][3]
+        answer = torch.ones(1, dtype=torch.int64)
+        request = torch.tensor([tag, offset], dtype=torch.int64)
+        works = [dist.isend(request, dst=src, tag=_CONTROL_TAG, group=self.group)]
+        works.append(dist.irecv(answer, src=src, tag=tag, group=self.group))
+        self._started.add(tag)
+        self._placed[tag] = (works, answer)
+
+    def finish(self) -> None:
+        """Wait until every piece asked for is written into the file; raise if a rank could not write one."""
+        failed = set()
+        for tag in list(self._placed):
+            works, answer = self._placed.pop(tag)
+            _wait(works)
+            if int(answer) != 0:
+                failed.add(self._parts[tag][3])
+        if failed:
+            raise RuntimeError(
+                f"rank(s) {sorted(failed)} could not write their pieces of the full checkpoint into the file (see "
+                "their errors)"
+            )
 
     def expect(self, order: list[int]) -> None:
         """The placeholders' addresses in the order the writer will meet them: their pieces are received ahead."""
         self.expecting = True
         ordered = [self.records[address] for address in order if address in self.records]
-        self._plan = deque(tag for record in ordered for _, _, _, tag in sorted(record.parts))
+        self._plan = deque(
+            tag for record in ordered for _, _, src, tag in sorted(record.parts) if src not in self.writers
+        )
         self._pump()
 
     def arrange(self) -> None:
@@ -322,11 +407,15 @@ class _Receiver:
                 position = end
             self._segments[address] = segments
 
-    def chunks(self, record: _Record) -> Iterator[torch.Tensor]:
-        """``record``'s bytes, piece by piece in order (each a contiguous uint8 tensor, valid until the next)."""
+    def chunks(self, record: _Record) -> Iterator[torch.Tensor | _Hole]:
+        """``record``'s bytes, piece by piece in order: each a contiguous uint8 tensor (valid until the next), or a
+        :class:`_Hole` where the piece's rank writes it into the file itself."""
         for _, _, piece, tag in self._segments[record.address]:
             if piece is not None:
                 yield _bytes(piece, record.placeholder.dtype)
+                continue
+            if self._parts[tag][3] in self.writers:
+                yield _Hole(tag, self._size(tag))
                 continue
             yield self._take(tag)
             self._give_back(tag)
@@ -342,13 +431,28 @@ class _Receiver:
         return self._assembly[:offset]
 
     def drain(self) -> None:
-        """Receive, and drop, every piece not received yet, so that no sender waits forever."""
+        """Receive, and drop, every piece not received yet, and tell the ranks writing in place to skip the pieces
+        not asked for, so that no sender waits forever."""
+        import torch.distributed as dist
+
         try:
+            self.connect()  # the write stopped before it agreed how the pieces come: they are sent
             for tag in list(self._posted):
                 work = self._posted.pop(tag)[1]
                 if work is not None:  # a piece taken when the write stopped was waited for already
                     work.wait()
+            for tag in list(self._placed):
+                _wait(self._placed.pop(tag)[0])
             missing = [tag for tag in self._parts if tag not in self._started]
+            skipped = [tag for tag in missing if self._parts[tag][3] in self.writers]
+            skip = [torch.tensor([tag, -1], dtype=torch.int64) for tag in skipped]
+            _wait(
+                [
+                    dist.isend(request, dst=self._parts[tag][3], tag=_CONTROL_TAG, group=self.group)
+                    for tag, request in zip(skipped, skip, strict=True)
+                ]
+            )
+            missing = [tag for tag in missing if tag not in skipped]
             scratch = torch.empty(max(map(self._size, missing), default=0), dtype=torch.uint8)
             for tag in missing:
                 self._post(tag, scratch[: self._size(tag)], None)
@@ -416,6 +520,81 @@ class _Receiver:
         work = dist.irecv(data.view(record.placeholder.dtype), src=src, tag=tag, group=self.group)
         self._started.add(tag)
         self._posted[tag] = (data, work, slot)
+
+
+class _Hole(NamedTuple):
+    """Where piece ``tag`` (``size`` bytes) goes in the file: its rank writes it there itself."""
+
+    tag: int
+    size: int
+
+
+def _boot_id() -> int:
+    """60 bits of the running kernel's boot id (0: unknown): processes that read the same one share a kernel."""
+    try:
+        with open(_BOOT_ID) as handle:
+            return int(handle.read().strip().replace("-", "")[:15], 16)
+    except (OSError, ValueError):
+        return 0
+
+
+def _open_checkpoint(group: Any) -> int | None:
+    """A source's side of :meth:`_Receiver.connect`: the file rank 0 writes, open for writing, if this rank finds
+    it (the same file under the same kernel); else None, and the pieces are sent."""
+    import torch.distributed as dist
+
+    hello = torch.zeros(4, dtype=torch.int64)  # boot id, device, inode, length of the path (0: send the pieces)
+    dist.recv(hello, src=0, tag=_CONTROL_TAG, group=group)
+    boot, device, inode, length = hello.tolist()
+    fd = None
+    if length:
+        name = torch.empty(length, dtype=torch.uint8)
+        dist.recv(name, src=0, tag=_CONTROL_TAG, group=group)
+        try:
+            fd = os.open(bytes(name.tolist()), os.O_WRONLY)
+            stat = os.fstat(fd)
+            if (boot, device, inode) != (_boot_id(), stat.st_dev, stat.st_ino):
+                os.close(fd)
+                fd = None
+        except OSError as err:  # not there from here: rank 0 receives the pieces
+            log.debug(f"the full checkpoint being written could not be opened on this rank ({err})")
+    dist.send(torch.tensor([int(fd is not None)], dtype=torch.int64), dst=0, tag=_CONTROL_TAG, group=group)
+    return fd
+
+
+def _serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
+    """A source writing in place: write each piece where rank 0 asks (``[tag, offset]``; offset -1: skip it, the
+    write stopped), answering each (0: written). A piece that cannot be written is answered 1 and the rest are still
+    answered, unwritten; the first error is raised at the end."""
+    import torch.distributed as dist
+
+    request, answers, error = torch.zeros(2, dtype=torch.int64), [], None
+    for _ in range(len(pieces)):
+        dist.recv(request, src=0, tag=_CONTROL_TAG, group=group)
+        tag, offset = request.tolist()
+        if offset < 0:
+            continue
+        if error is None:
+            try:
+                _write_at(fd, pieces[tag].reshape(-1).view(torch.uint8), offset)
+            except OSError as err:
+                error = err
+        answer = torch.tensor([int(error is not None)], dtype=torch.int64)
+        answers.append((answer, dist.isend(answer, dst=0, tag=tag, group=group)))
+    _wait([work for _, work in answers])
+    if error is not None:
+        raise error
+
+
+def _write_at(fd: int, data: torch.Tensor, offset: int) -> None:
+    view, done = memoryview(_raw(data)).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
 
 
 def _start(segment: tuple[Any, ...]) -> int:
