@@ -32,6 +32,7 @@ contributes) and runs :meth:`FullStream.with_pieces` of those copies in its thre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -52,6 +53,8 @@ _AHEAD_BYTES = 64 << 20  # what rank 0 receives ahead of its writes, at most (or
 _ALIGNMENT = 64  # of each piece in the ring: any dtype's view of it is aligned
 _IN_PLACE = True  # whether ranks on rank 0's host write their pieces into the checkpoint file themselves
 _CONTROL_TAG = 0  # rank 0's handshake and requests (pieces are tagged 1, 2, ...)
+_REQUESTS = 16  # rank 0's requests to a rank writing in place go in batches of at most this many pieces,
+_REQUEST_BYTES = 16 << 20  # or of this many bytes (each message costs both ranks a fraction of a millisecond)
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the same on every process of one running kernel, and only there
 
 
@@ -328,8 +331,9 @@ class _Receiver:
         self._segments: dict[int, list[tuple[int, int, torch.Tensor | None, int]]] = {}  # see arrange
         self.sources = sorted({src for _, _, _, src in self._parts.values()})
         self.writers: set[int] = set()  # sources that write their pieces into the file (see connect)
-        self._placed: dict[int, tuple[list[Any], torch.Tensor]] = {}  # tag -> (request's works, answer: 0 written)
-        self._connected = False
+        self._requests: list[Any] = []  # the works of the requests sent to the writers (see place)
+        self._batches: dict[int, list[tuple[int, int]]] = {}  # writer -> requests not sent yet: (tag, offset)
+        self._connected = self._answered = False
 
     def connect(self, handle: Any = None, file: Path | None = None) -> None:
         """Agree with every source how its pieces come: rank 0 names the file it writes (``handle``: open on
@@ -358,29 +362,43 @@ class _Receiver:
         self.writers = {src for src, answer in answers.items() if int(answer) == 1}
 
     def place(self, tag: int, offset: int) -> None:
-        """Ask piece ``tag``'s rank to write it into the file at byte ``offset``."""
+        """Ask piece ``tag``'s rank to write it into the file at byte ``offset`` (offset -1: to skip it), in a batch
+        sent once it holds :data:`_REQUESTS` pieces or :data:`_REQUEST_BYTES` bytes (or by :meth:`finish`)."""
+        src = self._parts[tag][3]
+        batch = self._batches.setdefault(src, [])
+        batch.append((tag, offset))
+        self._started.add(tag)
+        if len(batch) == _REQUESTS or sum(self._size(t) for t, o in batch if o >= 0) >= _REQUEST_BYTES:
+            self._send_batch(src)
+
+    def _send_batch(self, src: int) -> None:
+        """Send writer ``src`` its requests not sent yet: ``[_REQUESTS, 2]`` of (tag, offset), tag 0 for none."""
         import torch.distributed as dist
 
-        src = self._parts[tag][3]
-        answer = torch.ones(1, dtype=torch.int64)
-        request = torch.tensor([tag, offset], dtype=torch.int64)
-        works = [dist.isend(request, dst=src, tag=_CONTROL_TAG, group=self.group)]
-        works.append(dist.irecv(answer, src=src, tag=tag, group=self.group))
-        self._started.add(tag)
-        self._placed[tag] = (works, answer)
+        batch = self._batches.pop(src, [])
+        if batch:
+            requests = torch.zeros(_REQUESTS, 2, dtype=torch.int64)
+            requests[: len(batch)] = torch.tensor(batch, dtype=torch.int64)
+            self._requests.append(dist.isend(requests, dst=src, tag=_CONTROL_TAG, group=self.group))
 
     def finish(self) -> None:
-        """Wait until every piece asked for is written into the file; raise if a rank could not write one."""
-        failed = set()
-        for tag in list(self._placed):
-            works, answer = self._placed.pop(tag)
-            _wait(works)
-            if int(answer) != 0:
-                failed.add(self._parts[tag][3])
+        """Wait until each writer wrote every piece (its one answer, once it handled a request for each: the count of
+        pieces it could not write); raise if one could not write them all."""
+        import torch.distributed as dist
+
+        if self._answered or not self.writers:
+            return
+        self._answered = True
+        for src in list(self._batches):
+            self._send_batch(src)
+        _wait(self._requests)
+        self._requests = []
+        answers = {src: torch.zeros(1, dtype=torch.int64) for src in sorted(self.writers)}
+        _wait([dist.irecv(answer, src=src, tag=_CONTROL_TAG, group=self.group) for src, answer in answers.items()])
+        failed = [src for src, answer in answers.items() if int(answer) != 0]
         if failed:
             raise RuntimeError(
-                f"rank(s) {sorted(failed)} could not write their pieces of the full checkpoint into the file (see "
-                "their errors)"
+                f"rank(s) {failed} could not write their pieces of the full checkpoint into the file (see their errors)"
             )
 
     def expect(self, order: list[int]) -> None:
@@ -433,7 +451,6 @@ class _Receiver:
     def drain(self) -> None:
         """Receive, and drop, every piece not received yet, and tell the ranks writing in place to skip the pieces
         not asked for, so that no sender waits forever."""
-        import torch.distributed as dist
 
         try:
             self.connect()  # the write stopped before it agreed how the pieces come: they are sent
@@ -441,18 +458,12 @@ class _Receiver:
                 work = self._posted.pop(tag)[1]
                 if work is not None:  # a piece taken when the write stopped was waited for already
                     work.wait()
-            for tag in list(self._placed):
-                _wait(self._placed.pop(tag)[0])
             missing = [tag for tag in self._parts if tag not in self._started]
-            skipped = [tag for tag in missing if self._parts[tag][3] in self.writers]
-            skip = [torch.tensor([tag, -1], dtype=torch.int64) for tag in skipped]
-            _wait(
-                [
-                    dist.isend(request, dst=self._parts[tag][3], tag=_CONTROL_TAG, group=self.group)
-                    for tag, request in zip(skipped, skip, strict=True)
-                ]
-            )
-            missing = [tag for tag in missing if tag not in skipped]
+            for tag in [tag for tag in missing if self._parts[tag][3] in self.writers]:
+                self.place(tag, -1)
+            with contextlib.suppress(RuntimeError):  # the save fails on the error that stopped the write
+                self.finish()  # the writers' answers, if not taken yet
+            missing = [tag for tag in self._parts if tag not in self._started]
             scratch = torch.empty(max(map(self._size, missing), default=0), dtype=torch.uint8)
             for tag in missing:
                 self._post(tag, scratch[: self._size(tag)], None)
@@ -564,24 +575,27 @@ def _open_checkpoint(group: Any) -> int | None:
 
 def _serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
     """A source writing in place: write each piece where rank 0 asks (``[tag, offset]``; offset -1: skip it, the
-    write stopped), answering each (0: written). A piece that cannot be written is answered 1 and the rest are still
-    answered, unwritten; the first error is raised at the end."""
+    write stopped), then answer once: how many it could not write. After a piece that cannot be written the rest are
+    not written either; the first error is raised after the answer."""
     import torch.distributed as dist
 
-    request, answers, error = torch.zeros(2, dtype=torch.int64), [], None
-    for _ in range(len(pieces)):
-        dist.recv(request, src=0, tag=_CONTROL_TAG, group=group)
-        tag, offset = request.tolist()
-        if offset < 0:
-            continue
-        if error is None:
+    requests, handled, failed, error = torch.zeros(_REQUESTS, 2, dtype=torch.int64), 0, 0, None
+    while handled < len(pieces):
+        dist.recv(requests, src=0, tag=_CONTROL_TAG, group=group)  # a batch (see _Receiver.place)
+        for tag, offset in requests.tolist():
+            if tag == 0:
+                break
+            handled += 1
+            if offset < 0:
+                continue
+            if error is not None:
+                failed += 1
+                continue
             try:
                 _write_at(fd, pieces[tag].reshape(-1).view(torch.uint8), offset)
             except OSError as err:
-                error = err
-        answer = torch.tensor([int(error is not None)], dtype=torch.int64)
-        answers.append((answer, dist.isend(answer, dst=0, tag=tag, group=group)))
-    _wait([work for _, work in answers])
+                error, failed = err, 1
+    dist.send(torch.tensor([failed], dtype=torch.int64), dst=0, tag=_CONTROL_TAG, group=group)
     if error is not None:
         raise error
 
