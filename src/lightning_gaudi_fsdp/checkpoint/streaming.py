@@ -9,22 +9,25 @@ runs :meth:`FullStream.send` (posting its sends and waiting for them) in the sam
 :meth:`FullStream.write` is ``torch.save`` itself (torch's private writer, see :mod:`..adapters.torch_internals`, with
 torch.save's default pickle module and protocol and its byte-order record), writing to a file that passes every byte
 through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never
-reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards, the
-others' from a ring of receive memory (at most 64 MiB, or two of the largest pieces) into which they are received
-ahead of the writer, in the order it will write them. Nothing is copied on rank 0 but what the kernel copies into
-the page cache, as for ``torch.save``. With a CRC32 per record (``checkpoint_crc32=True``) torch's writer reads the
-data it is given, so each placeholder's pieces are first assembled into one reused buffer. The file is a
-``torch.save`` file like any other: same keys, order, dtypes, shapes and values as the eagerly gathered state would
-give, byte for byte, loadable by ``torch.load`` (``weights_only``, ``mmap``) and Lightning. Pieces that would leave
-part of a tensor out fail the save before anything is written.
+reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards; a rank
+that can open the same file (same device and inode under the same running kernel: the same host) writes its pieces
+into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0 writes on past them;
+the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or two of the largest pieces) into
+which they are received ahead of the writer, in the order it will write them. Nothing is copied on rank 0 but what the
+kernel copies into the page cache, as for ``torch.save``. With a CRC32 per record (``checkpoint_crc32=True``) torch's
+writer reads the data it is given, so each placeholder's pieces are first received and assembled into one reused
+buffer. The file is a ``torch.save`` file like any other: same keys, order, dtypes, shapes and values as the eagerly
+gathered state would give, byte for byte, loadable by ``torch.load`` (``weights_only``, ``mmap``) and Lightning.
+Pieces that would leave part of a tensor out fail the save before anything is written.
 
 If rank 0's write fails midway (a full disk, a read-only target, a vanished directory), it still receives every piece
-it has not received yet (discarding it), so no sender waits forever; the save protocol then raises the same
-``CheckpointSaveError`` on every rank. Placeholders must never reach user code: the front doors stream only when
-nothing reads the checkpoint between building it and writing it (see ``strategy.py`` and ``fabric.py``), and
-:func:`available` says whether this torch has the private writer with the signature it was checked with (torch 2.6,
-2.9 and 2.13, where the files are byte for byte those ``torch.save`` writes to a file object); otherwise the state is
-gathered eagerly, as before.
+it has not received yet (discarding it) and tells the ranks writing in place to skip the rest, so no sender waits
+forever; a rank that cannot write its pieces in place says so in its answer, and the save fails; the save protocol
+then raises the same ``CheckpointSaveError`` on every rank. Placeholders must never reach user code: the front doors
+stream only when nothing reads the checkpoint between building it and writing it (see ``strategy.py`` and
+``fabric.py``), and :func:`available` says whether this torch has the private writer with the signature it was checked
+with (torch 2.6, 2.9 and 2.13, where the files are byte for byte those ``torch.save`` writes to a file object);
+otherwise the state is gathered eagerly, as before.
 
 With ``async_save``, a background save stages :meth:`FullStream.pieces` (the views of live shards each rank
 contributes) and runs :meth:`FullStream.with_pieces` of those copies in its thread, over its own process group.
@@ -332,7 +335,7 @@ class _Receiver:
         self.sources = sorted({src for _, _, _, src in self._parts.values()})
         self.writers: set[int] = set()  # sources that write their pieces into the file (see connect)
         self._requests: list[Any] = []  # the works of the requests sent to the writers (see place)
-        self._batches: dict[int, list[tuple[int, int]]] = {}  # writer -> requests not sent yet: (tag, offset)
+        self._batches: dict[int, list[tuple[int, int, int]]] = {}  # writer -> requests not sent: (tag, offset, size)
         self._connected = self._answered = False
 
     def connect(self, handle: Any = None, file: Path | None = None) -> None:
@@ -366,18 +369,18 @@ class _Receiver:
         sent once it holds :data:`_REQUESTS` pieces or :data:`_REQUEST_BYTES` bytes (or by :meth:`finish`)."""
         src = self._parts[tag][3]
         batch = self._batches.setdefault(src, [])
-        batch.append((tag, offset))
+        batch.append((tag, offset, self._size(tag)))
         self._started.add(tag)
-        if len(batch) == _REQUESTS or sum(self._size(t) for t, o in batch if o >= 0) >= _REQUEST_BYTES:
+        if len(batch) == _REQUESTS or sum(size for _, o, size in batch if o >= 0) >= _REQUEST_BYTES:
             self._send_batch(src)
 
     def _send_batch(self, src: int) -> None:
-        """Send writer ``src`` its requests not sent yet: ``[_REQUESTS, 2]`` of (tag, offset), tag 0 for none."""
+        """Send writer ``src`` its requests not sent yet: ``[_REQUESTS, 3]`` of (tag, offset, bytes), tag 0: none."""
         import torch.distributed as dist
 
         batch = self._batches.pop(src, [])
         if batch:
-            requests = torch.zeros(_REQUESTS, 2, dtype=torch.int64)
+            requests = torch.zeros(_REQUESTS, 3, dtype=torch.int64)
             requests[: len(batch)] = torch.tensor(batch, dtype=torch.int64)
             self._requests.append(dist.isend(requests, dst=src, tag=_CONTROL_TAG, group=self.group))
 
@@ -574,15 +577,15 @@ def _open_checkpoint(group: Any) -> int | None:
 
 
 def _serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
-    """A source writing in place: write each piece where rank 0 asks (``[tag, offset]``; offset -1: skip it, the
+    """A source writing in place: write each piece where rank 0 asks (``[tag, offset, bytes]``; offset -1: skip it, the
     write stopped), then answer once: how many it could not write. After a piece that cannot be written the rest are
     not written either; the first error is raised after the answer."""
     import torch.distributed as dist
 
-    requests, handled, failed, error = torch.zeros(_REQUESTS, 2, dtype=torch.int64), 0, 0, None
+    requests, handled, failed, error = torch.zeros(_REQUESTS, 3, dtype=torch.int64), 0, 0, None
     while handled < len(pieces):
         dist.recv(requests, src=0, tag=_CONTROL_TAG, group=group)  # a batch (see _Receiver.place)
-        for tag, offset in requests.tolist():
+        for tag, offset, size in requests.tolist():
             if tag == 0:
                 break
             handled += 1
@@ -591,8 +594,11 @@ def _serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
             if error is not None:
                 failed += 1
                 continue
+            data = pieces[tag].reshape(-1).view(torch.uint8)
             try:
-                _write_at(fd, pieces[tag].reshape(-1).view(torch.uint8), offset)
+                if data.numel() != size:  # never written past its place, whatever the plans say
+                    raise OSError(f"piece {tag} holds {data.numel()} bytes, its place in the file {size}")
+                _write_at(fd, data, offset)
             except OSError as err:
                 error, failed = err, 1
     dist.send(torch.tensor([failed], dtype=torch.int64), dst=0, tag=_CONTROL_TAG, group=group)
