@@ -387,13 +387,16 @@ class _Receiver:
             self._requests.append(dist.isend(requests, dst=src, tag=_CONTROL_TAG, group=self.group))
 
     def finish(self) -> None:
-        """Wait until each writer wrote every piece (its one answer, once it handled a request for each: the count of
-        pieces it could not write); raise if one could not write them all."""
+        """Tell each writer to skip the pieces not asked for (the checkpoint written holds no placeholder of theirs,
+        or the write stopped), then wait until it wrote every piece asked for (its one answer, once it handled a
+        request for each: the count of pieces it could not write); raise if one could not write them all."""
         import torch.distributed as dist
 
         if self._answered or not self.writers:
             return
         self._answered = True
+        for tag in [tag for tag, part in self._parts.items() if part[3] in self.writers and tag not in self._started]:
+            self.place(tag, -1)
         for src in list(self._batches):
             self._send_batch(src)
         _wait(self._requests)
@@ -456,16 +459,12 @@ class _Receiver:
     def drain(self) -> None:
         """Receive, and drop, every piece not received yet, and tell the ranks writing in place to skip the pieces
         not asked for, so that no sender waits forever."""
-
         try:
             self.connect()  # the write stopped before it agreed how the pieces come: they are sent
             for tag in list(self._posted):
                 work = self._posted.pop(tag)[1]
                 if work is not None:  # a piece taken when the write stopped was waited for already
                     work.wait()
-            missing = [tag for tag in self._parts if tag not in self._started]
-            for tag in [tag for tag in missing if self._parts[tag][3] in self.writers]:
-                self.place(tag, -1)
             with contextlib.suppress(RuntimeError):  # the save fails on the error that stopped the write
                 self.finish()  # the writers' answers, if not taken yet
             missing = [tag for tag in self._parts if tag not in self._started]
