@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import time
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,14 @@ def streamed_full_save(
     stream: bool = True,
     crc32: bool = False,
     in_place: bool = True,
+    other_host: int | None = None,
 ) -> str:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first), with CRC32s or without
     (``checkpoint_crc32``), the other ranks writing their pieces into the file themselves if ``in_place`` and they
-    can (else sending them over the connections, as ranks on other hosts do). Returns how the pieces went:
-    ``"in place"`` or ``"received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the stream planned
-    nothing."""
+    can (else sending them over the connections, as ranks on other hosts do); rank ``other_host`` reads another boot
+    id, as a rank on another host (another running kernel) would. Returns how the pieces went: ``"in place"``,
+    ``"received"`` or ``"in place + received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the
+    stream planned nothing."""
     from lightning_gaudi_fsdp.checkpoint import formats, streaming
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
@@ -74,8 +77,11 @@ def streamed_full_save(
         "optimizer_states": [engine.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
         "epoch": 3,
     }
-    default = streaming._IN_PLACE
+    default, boot_id = streaming._IN_PLACE, streaming._BOOT_ID
     streaming._IN_PLACE = default and in_place
+    if rank == other_host:  # a boot id of its own: the file rank 0 names is not this kernel's file
+        streaming._BOOT_ID = str(path.parent / f"boot_id_of_rank{rank}")
+        Path(streaming._BOOT_ID).write_text(f"{uuid.uuid4()}\n")
     try:
         formats.save(
             "full",
@@ -88,20 +94,24 @@ def streamed_full_save(
             crc32=crc32,
         )
     finally:
-        streaming._IN_PLACE = default
+        streaming._IN_PLACE, streaming._BOOT_ID = default, boot_id
     if plan is None or not plan.pending:
         return ""
-    return "in place" if plan.in_place else "received" if rank == 0 else "sent"
+    if rank != 0:
+        return "in place" if plan.in_place else "sent"
+    return " + ".join([*(["in place"] if plan.in_place else []), *(["received"] if plan.senders else [])])
 
 
 def streamed_full_saves(model: nn.Module, optimizer: torch.optim.Optimizer, out: Path) -> list[str]:
     """The streamed saves :func:`streamed_differences` reads: without CRC32s (the other ranks write their pieces
     where torch's writer hands over each tensor, rank 0 its own), with them (each tensor assembled first on rank 0),
-    and without CRC32s but received (as from ranks on other hosts); how each went (see :func:`streamed_full_save`)."""
+    and without CRC32s with the last rank as if on another host (it sends its pieces); how each went (see
+    :func:`streamed_full_save`)."""
+    last = dist.get_world_size() - 1
     return [
         streamed_full_save(model, optimizer, out / "streamed.ckpt"),
         streamed_full_save(model, optimizer, out / "streamed_crc32.ckpt", crc32=True),
-        streamed_full_save(model, optimizer, out / "streamed_received.ckpt", in_place=False),
+        streamed_full_save(model, optimizer, out / "streamed_received.ckpt", other_host=last),
     ]
 
 

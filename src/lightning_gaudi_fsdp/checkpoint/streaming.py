@@ -96,6 +96,7 @@ class FullStream:
         self._records: dict[int, _Record] = {}  # rank 0: placeholder storage address -> record
         self._sends: list[tuple[torch.Tensor, int]] = []  # other ranks: (piece, tag)
         self.in_place = False  # whether the last save's other-rank pieces were written into the file by their ranks
+        self.senders = 0  # rank 0: how many ranks sent their pieces in the last save instead (other hosts)
 
     @property
     def pending(self) -> bool:
@@ -182,16 +183,16 @@ class FullStream:
             with open(file, "wb") as handle:
                 receiver.connect(handle if direct else None, Path(file))
                 self.in_place = bool(receiver.writers)
+                self.senders = len(receiver.sources) - len(receiver.writers)
                 sink = _File(handle, receiver) if direct else handle
                 torch_internals.save_through(obj, sink, lambda writer: _Writer(writer, receiver, order, sink))
                 receiver.finish()
         finally:
             receiver.drain()
-        received = len(receiver.sources) - len(receiver.writers)
         log.debug(
             f"streamed {len(self._records)} gathered tensors into {str(file)!r}: {len(receiver.writers)} rank(s) "
-            f"wrote their pieces in place, {received} sent them"
-            + (f", received ahead into {receiver.capacity} bytes" if received else "")
+            f"wrote their pieces in place, {self.senders} sent them"
+            + (f", received ahead into {receiver.capacity} bytes" if self.senders else "")
             + ("" if direct else ", each tensor assembled")
         )
 
@@ -350,12 +351,11 @@ class _Receiver:
         if not self.sources or self._connected:
             return
         self._connected = True
-        in_place = handle is not None and file is not None and _IN_PLACE and _boot_id()
-        path = os.path.abspath(file).encode() if in_place else b""
-        stat = os.fstat(handle.fileno()) if path else None
+        boot = _boot_id() if handle is not None and file is not None and _IN_PLACE else 0
+        path = os.path.abspath(file).encode() if boot else b""
+        stat = os.fstat(handle.fileno()) if boot else None
         hello = torch.tensor(
-            [_boot_id() if path else 0, stat.st_dev if stat else 0, stat.st_ino if stat else 0, len(path)],
-            dtype=torch.int64,
+            [boot, stat.st_dev if stat else 0, stat.st_ino if stat else 0, len(path)], dtype=torch.int64
         )
         answers = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(hello, dst=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
