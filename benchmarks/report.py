@@ -75,6 +75,11 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ("<=", t["full_save_vs_plain_torch_save"]) if "full_save_vs_plain_torch_save" in t else None,
             ),
             _row(
+                "full save inside fit / torch.save without CRC32s (paired per step)",
+                per_engine(lambda r: r.get("in_fit", {}).get("save_vs_plain_torch_save")),
+                ("<=", t["full_save_vs_plain_torch_save"]) if "full_save_vs_plain_torch_save" in t else None,
+            ),
+            _row(
                 "rank 0 memory added by a full save / state bytes",
                 per_engine(lambda r: r["full"]["peak_rss_vs_state"]),
                 ("<=", t["full_peak_rss_vs_state"]),

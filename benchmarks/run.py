@@ -250,6 +250,12 @@ def bench_checkpoint(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         cfg["warmup"] = 0 if args.smoke else 1  # one round of every contender first, not counted
         results[engine] = derive_checkpoint(_worker("checkpoint", cfg, tmp))
         results[engine]["reshard_load_s"] = {}
+        # its own files: nothing is deleted while timed; one step in --smoke
+        in_fit = _worker("checkpoint_in_fit", dict(cfg, rounds=1) if args.smoke else cfg, tmp)
+        results[engine]["in_fit"] = {
+            "rounds": in_fit,
+            "save_vs_plain_torch_save": _paired(in_fit["full"], in_fit["torch_save_plain"]),
+        }
     for world_size in (1, 4):
         ckpts = {engine: str(tmp / f"ckpts-{engine}" / "ckpt-sharded") for engine in ENGINES}
         loads = _worker("load_sharded", {"size": size, "world_size": world_size, "ckpts": ckpts}, tmp)["load_s"]

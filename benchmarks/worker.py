@@ -180,6 +180,44 @@ def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
     _leave()
 
 
+def checkpoint_in_fit(rank: int, cfg: dict[str, Any]) -> None:
+    """A synchronous full ``trainer.save_checkpoint`` made inside ``fit`` (at the end of a training step, as a
+    checkpoint callback makes it) against ``torch.save`` without CRC32s + fsync of the same full state on rank 0, both
+    into new files, in turn at the end of each of ``cfg["rounds"]`` steps (after ``cfg["warmup"]`` steps not counted),
+    each step starting with the other one. No file is deleted until the end: a write right after a large file was
+    deleted took up to three times as long on this machine's disk, whichever contender it was."""
+    import lightning as L
+
+    out = Path(cfg["dir"])
+    warmup, seconds = cfg.get("warmup", 0), {"full": [], "torch_save_plain": []}
+
+    def contender(trainer: Any, name: str, target: Path) -> float:
+        if name == "full":
+            return _sync_time(lambda: trainer.save_checkpoint(target))
+        state = _full_state(trainer)  # gathered before the clock starts: torch.save's input
+        taken = _torch_save_and_load(state, target, crc32=False, load=False)["save_s"] if rank == 0 else 0.0
+        del state
+        dist.barrier()
+        return taken
+
+    class InFit(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            step = trainer.global_step  # 1, 2, ... after this step's optimizer step
+            order = ["full", "torch_save_plain"] if step % 2 else ["torch_save_plain", "full"]
+            for name in order:
+                taken = contender(trainer, name, out / f"{name}-{step}.ckpt")
+                if step > warmup:
+                    seconds[name].append(taken)
+
+    trainer = _trainer(cfg, max_steps=warmup + cfg["rounds"], callbacks=[InFit()])
+    trainer.fit(_module(cfg))
+    if rank == 0:
+        for path in out.glob("*.ckpt"):
+            _remove(path)
+        _write(cfg, seconds)
+    _leave()
+
+
 def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], profile: bool) -> dict[str, Any]:
     strategy = trainer.strategy
     strategy._state_dict_type = fmt
@@ -275,7 +313,7 @@ def _state_bytes(state: dict[str, Any]) -> int:
 TORCH_SAVES = {"torch_save": True, "torch_save_plain": False}
 
 
-def _torch_save_and_load(state: dict[str, Any], target: Path, *, crc32: bool) -> dict[str, Any]:
+def _torch_save_and_load(state: dict[str, Any], target: Path, *, crc32: bool, load: bool = True) -> dict[str, Any]:
     from lightning_gaudi_fsdp.checkpoint.storage import zip_checksums
 
     target.unlink(missing_ok=True)
@@ -285,6 +323,8 @@ def _torch_save_and_load(state: dict[str, Any], target: Path, *, crc32: bool) ->
     with open(target, "rb") as f:
         os.fsync(f.fileno())
     save_s = time.perf_counter() - start
+    if not load:
+        return {"save_s": save_s, "bytes": target.stat().st_size}
     start = time.perf_counter()
     torch.load(target, weights_only=False)
     return {"save_s": save_s, "load_s": time.perf_counter() - start, "bytes": target.stat().st_size}
@@ -368,6 +408,7 @@ MODES = {
     "memory": raw.memory,
     "lightning_steps": lightning_steps,
     "checkpoint": checkpoint,
+    "checkpoint_in_fit": checkpoint_in_fit,
     "load_sharded": load_sharded,
     "pretrained_load": pretrained_load,
     "resume": lambda rank, cfg: (resume.resume(rank, cfg), _leave()),
@@ -390,7 +431,7 @@ def _rank(rank: int, mode: str, cfg: dict[str, Any], port: int) -> None:
 def launch(mode: str, cfg: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
-    if mode in ("lightning_steps", "checkpoint", "load_sharded", "pretrained_load", "resume"):
+    if mode in ("lightning_steps", "checkpoint", "checkpoint_in_fit", "load_sharded", "pretrained_load", "resume"):
         import lightning.pytorch  # noqa: F401  (imported once, before forking)
 
         import lightning_gaudi_fsdp  # noqa: F401

@@ -41,12 +41,17 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
             # the file in the background), copied during the next forward and backward
             assert background["deferred_bytes"] > 0.9 * background["staging_bytes"], background
         assert set(checkpoint[engine]["reshard_load_s"]) == {"2->1", "2->4"}
+        in_fit = checkpoint[engine]["in_fit"]["rounds"]  # a full save inside fit and torch.save, once per step
+        assert len(in_fit["full"]) == len(in_fit["torch_save_plain"]) >= 1
 
     summary = {row["measurement"]: row for row in results["summary"]}
     assert summary["full save / torch.save"]["target"] == "<= 1.5"
     assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
     assert summary["full save / torch.save without CRC32s"]["target"] == "<= 1.2"
     assert all(summary["full save / torch.save without CRC32s"][engine] > 0 for engine in ENGINES)
+    in_fit = summary["full save inside fit / torch.save without CRC32s (paired per step)"]
+    assert in_fit["target"] == "<= 1.2"
+    assert all(in_fit[engine] > 0 for engine in ENGINES)
     for fmt in ("sharded", "local", "full"):
         row = summary[f"{fmt} save: blocked time, async / sync"]
         assert row["target"] == "<= 0.1"
