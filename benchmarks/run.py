@@ -18,7 +18,11 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    into host buffers reused from round to round, plus the wait before the next optimizer step for the copies made
    during that step's forward and backward) over the synchronous save's time, target <= 0.1 for every format, and
    the host memory the staging buffers hold. Every contender runs one round first that is not counted (its first
-   write lands in memory the machine has not used yet, several times slower; not in ``--smoke``).
+   write lands in memory the machine has not used yet, several times slower; not in ``--smoke``). And a full save
+   made inside ``fit`` (at the end of a step, as a checkpoint callback makes it) against ``torch.save`` without
+   CRC32s + fsync of the same state, in turn at the end of each step, paired per step (issue 31's target, <= 1.2);
+   no file is deleted while they are timed (a write right after a large file was deleted is slower, see
+   ``worker.checkpoint_in_fit``).
 4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved in bf16
    with ``save_pretrained`` in several files) is built in fp32 and its weights put into the shards, with
    ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
