@@ -77,3 +77,29 @@ def test_pieces_that_leave_elements_out_fail_the_write_instead_of_writing_what_a
     planned = stream.gather((10,), [(0, 8)], tensor[:8], [0], tensor.dtype)  # elements 8 and 9 come from nowhere
     with zip_checksums(crc32), pytest.raises(RuntimeError, match=r"shape \(10,\) leave elements \[8, 10\) out"):
         stream.write({"weight": planned}, tmp_path / "streamed.pt")
+
+
+def test_other_ranks_write_in_place_only_on_file_systems_that_share_writes(tmp_path, monkeypatch):
+    """A rank on rank 0's host writes its pieces into the file itself only where two descriptors of one file write
+    the same file: a kernel file system, not a FUSE mount (an object-store mount may upload each open file whole when
+    it is closed, so one rank's writes would replace the other's); unknown: the pieces are sent."""
+    mounts = tmp_path / "mountinfo"
+    mounts.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "30 22 0:40 / /mnt/bucket rw,nosuid,nodev - fuse.gcsfuse ckpts rw,user_id=0\n"
+        "31 22 0:41 / /mnt/my\\040runs rw - xfs /dev/vdb rw\n"
+        "32 30 0:42 / /mnt/bucket/scratch rw - tmpfs tmpfs rw\n"
+        "33 22 0:43 / /mnt/ntfs rw - fuseblk /dev/vdc rw\n"
+    )
+    monkeypatch.setattr(streaming, "_MOUNTS", str(mounts))
+    assert streaming._file_system("/home/u/run/last.ckpt") == "ext4"
+    assert streaming._file_system("/mnt/bucket/run/last.ckpt") == "fuse.gcsfuse"
+    assert streaming._file_system("/mnt/bucketful/last.ckpt") == "ext4"  # a mount point is a whole path component
+    assert streaming._file_system("/mnt/my runs/last.ckpt") == "xfs"  # mountinfo writes a space as \040
+    assert streaming._file_system("/mnt/bucket/scratch/last.ckpt") == "tmpfs"  # the deepest mount point wins
+    assert [
+        streaming._shares_writes(path)
+        for path in ("/home/u/last.ckpt", "/mnt/bucket/last.ckpt", "/mnt/ntfs/last.ckpt", "/mnt/bucket/scratch/x")
+    ] == [True, False, False, True]
+    monkeypatch.setattr(streaming, "_MOUNTS", str(tmp_path / "missing"))
+    assert not streaming._shares_writes("/home/u/last.ckpt")

@@ -10,7 +10,8 @@ runs :meth:`FullStream.send` (posting its sends and waiting for them) in the sam
 torch.save's default pickle module and protocol and its byte-order record), writing to a file that passes every byte
 through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never
 reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards; a rank
-that can open the same file (same device and inode under the same running kernel: the same host) writes its pieces
+that can open the same file (same device and inode under the same running kernel: the same host; not on a FUSE
+mount) writes its pieces
 into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0 writes on past them;
 the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or two of the largest pieces) into
 which they are received ahead of the writer, in the order it will write them. Nothing is copied on rank 0 but what the
@@ -40,6 +41,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ _CONTROL_TAG = 0  # rank 0's handshake and requests (pieces are tagged 1, 2, ...
 _REQUESTS = 16  # rank 0's requests to a rank writing in place go in batches of at most this many pieces,
 _REQUEST_BYTES = 16 << 20  # or of this many bytes (each message costs both ranks a fraction of a millisecond)
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the same on every process of one running kernel, and only there
+_MOUNTS = "/proc/self/mountinfo"  # the file systems this process sees, and their types
 
 
 def available() -> bool:
@@ -351,7 +354,8 @@ class _Receiver:
         if not self.sources or self._connected:
             return
         self._connected = True
-        boot = _boot_id() if handle is not None and file is not None and _IN_PLACE else 0
+        shareable = handle is not None and file is not None and _IN_PLACE and _shares_writes(os.path.realpath(file))
+        boot = _boot_id() if shareable else 0
         path = os.path.abspath(file).encode() if boot else b""
         stat = os.fstat(handle.fileno()) if boot else None
         hello = torch.tensor(
@@ -551,6 +555,31 @@ def _boot_id() -> int:
             return int(handle.read().strip().replace("-", "")[:15], 16)
     except (OSError, ValueError):
         return 0
+
+
+def _shares_writes(path: str) -> bool:
+    """Whether processes writing ``path`` through different descriptors write one file, as on every kernel file
+    system (ext4, xfs, tmpfs, overlay, NFS...): not on a FUSE mount, where each open file may be uploaded whole when
+    it is closed (object-store mounts), nor where the file system is unknown."""
+    kind = _file_system(path)
+    return bool(kind) and not kind.startswith("fuse")
+
+
+def _file_system(path: str) -> str:
+    """The type of the file system that holds the absolute, resolved ``path``: that of the deepest mount point above
+    it in :data:`_MOUNTS` (``""`` if unknown)."""
+    deepest, kind = "", ""
+    try:
+        with open(_MOUNTS) as handle:
+            for line in handle:
+                fields = line.split()
+                point = re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), fields[4])
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(deepest):
+                    deepest, kind = point, fields[fields.index("-", 6) + 1]
+    except (OSError, ValueError, IndexError):
+        return ""
+    return kind
 
 
 def _open_checkpoint(group: Any) -> int | None:
