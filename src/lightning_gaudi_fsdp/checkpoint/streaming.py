@@ -10,16 +10,16 @@ runs :meth:`FullStream.send` (posting its sends and waiting for them) in the sam
 torch.save's default pickle module and protocol and its byte-order record), writing to a file that passes every byte
 through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never
 reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards; a rank
-that can open the same file (same device and inode under the same running kernel: the same host; not on a FUSE
-mount) writes its pieces
-into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0 writes on past them;
-the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or two of the largest pieces) into
-which they are received ahead of the writer, in the order it will write them. Nothing is copied on rank 0 but what the
-kernel copies into the page cache, as for ``torch.save``. With a CRC32 per record (``checkpoint_crc32=True``) torch's
-writer reads the data it is given, so each placeholder's pieces are first received and assembled into one reused
-buffer. The file is a ``torch.save`` file like any other: same keys, order, dtypes, shapes and values as the eagerly
-gathered state would give, byte for byte, loadable by ``torch.load`` (``weights_only``, ``mmap``) and Lightning.
-Pieces that would leave part of a tensor out fail the save before anything is written.
+that can open the same file (same device and inode under the same running kernel: the same host; not on a FUSE mount)
+writes its pieces into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0
+writes on past them; the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or two of the
+largest pieces) into which they are received ahead of the writer, in the order it will write them. Nothing is copied
+on rank 0 but what the kernel copies into the page cache, as for ``torch.save``. With a CRC32 per record
+(``checkpoint_crc32=True``) torch's writer reads the data it is given, so each placeholder's pieces are first received
+and assembled into one reused buffer. The file is a ``torch.save`` file like any other: same keys, order, dtypes,
+shapes and values as the eagerly gathered state would give, byte for byte, loadable by ``torch.load``
+(``weights_only``, ``mmap``) and Lightning. Pieces that would leave part of a tensor out fail the save before anything
+is written.
 
 If rank 0's write fails midway (a full disk, a read-only target, a vanished directory), it still receives every piece
 it has not received yet (discarding it) and tells the ranks writing in place to skip the rest, so no sender waits
