@@ -166,9 +166,7 @@ class FullStream:
         fd = _open_checkpoint(self.group)
         self.in_place = fd is not None
         if fd is None:
-            works = [dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends]
-            for work in works:
-                work.wait()
+            _wait([dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends])
             return
         try:
             _serve(fd, {tag: piece for piece, tag in self._sends}, self.group)
