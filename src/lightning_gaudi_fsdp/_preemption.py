@@ -97,6 +97,7 @@ class Preemption:
         self._leaving = threading.Lock()
         self._interrupting = False  # the watcher asked the main thread to run the handler (interrupt_main)
         self._exiting = False  # the main thread is leaving through Python's exit path
+        self._telling = threading.RLock()  # one _notice at a time (the watcher's, or the main thread's as it leaves)
 
     # ---------------------------------------------------------------------------------------------- installation
     def start(self, store: Any) -> None:
@@ -152,7 +153,7 @@ class Preemption:
             log.warning("lightning_gaudi_fsdp: the preemption watcher did not stop within its bound")
         if not self.flagged:  # a last look: a rank signalled while this one finished its last step
             with contextlib.suppress(Exception):
-                self._notice()
+                self._tell()
         if self._received is not None and not self._signal:  # signalled here, the store gone: leave all the same
             rank, _ = self.who()
             self._signal = f"{signal.Signals(self._received).name} (received by rank {rank})"
@@ -190,6 +191,10 @@ class Preemption:
                 previous(signum, frame)
         if self.exit_normally and self.phase == "setup" and not self._exiting:
             self._exiting = True
+            if self._received is not None:  # the others learn of it before this process is gone
+                with contextlib.suppress(Exception):
+                    self._tell()
+            self._publish(_SETUP)
             self._say(_BEFORE_TRAINING)
             raise SystemExit(EXIT_CODE)  # finally blocks, atexit, loggers; the deadline still bounds it
 
@@ -236,7 +241,7 @@ class Preemption:
                     self._stop.wait(_POLL_S)
                 if not self._signal:
                     try:
-                        self._notice()
+                        self._tell()
                     except Exception as err:  # noqa: BLE001 - the store is gone or stalled: go on without it
                         if self._store is None:
                             raise
@@ -253,6 +258,11 @@ class Preemption:
             if self.flagged:
                 self._leave(f"at step {self.step}; coordinating the save failed ({type(err).__name__}: {err})")
             log.warning(f"lightning_gaudi_fsdp: the preemption watcher stopped: {type(err).__name__}: {err}")
+
+    def _tell(self) -> None:
+        with self._telling:
+            if not self._signal:
+                self._notice()
 
     def _notice(self) -> None:
         """Learn of a signal: received here (count it in the store), or counted there by another rank."""
