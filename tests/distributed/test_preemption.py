@@ -91,6 +91,7 @@ def _handled(out: Path) -> dict[int, int]:
 
 
 def _straight(uninterrupted, strategy: dict) -> dict:
+    # test_resume's uninterrupted run, shared with its module (logger=False there: logging plays no part in weights)
     return uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
 
 
