@@ -205,6 +205,46 @@ def test_lightning_helpers_the_doors_reuse():
     assert lightning_internals.stage_throughputs(ThroughputMonitor(batch_size_fn=len)) == []  # filled by its setup
 
 
+def test_lightning_names_the_preemption_resume_relies_on(tmp_path):
+    """``fit``'s launch hands ``_fit_impl`` a ``ckpt_path`` the launcher may replace; Lightning's SLURM requeue names;
+    ``ModelCheckpoint``'s lookup of ``last*.ckpt``; the handlers inside Lightning's SIGTERM handler."""
+    import signal
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
+
+    assert "ckpt_path" in inspect.signature(L.Trainer._fit_impl).parameters
+    assert "_fit_impl" in L.Trainer.fit.__code__.co_names
+    trainer = L.Trainer(logger=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    seen = []
+
+    class Launcher:
+        def launch(self, function, *args, trainer=None, **kwargs):
+            seen.append(inspect.signature(function).bind(*args, **kwargs).arguments["ckpt_path"])
+
+    class Door:
+        _launcher = Launcher()
+
+    door = Door()
+    lightning_internals.resolve_fit_ckpt_path(door, lambda trainer, path: f"resolved:{path}")
+    door._launcher.launch(trainer._fit_impl, None, None, None, None, "last", trainer=trainer)
+    assert seen == ["resolved:last"]
+    bare = type("Bare", (), {"_launcher": None})()
+    lightning_internals.resolve_fit_ckpt_path(bare, lambda trainer, path: f"resolved:{path}")
+    assert bare._launcher.launch(lambda ckpt_path: ckpt_path, "x", trainer=None) == "x"  # not fit: untouched
+    assert lightning_internals.hpc_save_path(str(tmp_path)) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_1.ckpt").write_text("")
+    assert lightning_internals.hpc_resume_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    (tmp_path / "last-v1.ckpt").write_text("")
+    assert lightning_internals.last_checkpoints(callback, trainer) == {str(tmp_path / "last-v1.ckpt")}
+    mine = signal.default_int_handler
+    connector = _SignalConnector(trainer)
+    composed = _HandlersCompose([connector._sigterm_notifier_fn, connector._sigterm_handler_fn, mine])
+    assert lightning_internals.chained_sigterm_handlers(composed) == [mine]
+    assert lightning_internals.chained_sigterm_handlers(mine) is None
+
+
 # --------------------------------------------------------------------------------------------------- architecture
 def _private_imports(tree: ast.AST) -> list[str]:
     found = []

@@ -324,3 +324,65 @@ def test_every_rank_builds_the_same_disagreement_message_from_the_gathered_finge
             f"ranks disagree on the FSDP configuration ({expected}); every rank must build the same model with the "
             "same strategy arguments"
         )
+
+
+def test_ckpt_path_last_takes_the_newest_last_checkpoint_of_the_loggers_versions_and_of_slurms_requeue(
+    tmp_path, monkeypatch
+):
+    """What ``fit(ckpt_path="last")`` is handed (``_resume.resolve_last``, run by the launcher before Lightning
+    selects the checkpoint): Lightning's own answer ("last") unless an earlier version of the same logger, or under
+    SLURM a requeue checkpoint, holds a newer last checkpoint; nothing changes with ``preemption="exit"``, a
+    ``ModelCheckpoint`` with its own ``dirpath``, or no logger."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gaudi_fsdp import _resume
+
+    def trainer(**kwargs):
+        strategy = GaudiFSDPStrategy(preemption=kwargs.pop("preemption", "save"))
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, default_root_dir=tmp_path, **kwargs)
+
+    def touch(relative: str, mtime: float) -> str:
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        os.utime(path, (mtime, mtime))
+        return str(path)
+
+    assert _resume.resolve_last(trainer(), "last") == "last"  # nothing anywhere: Lightning warns, as before
+    old = touch("lightning_logs/version_0/checkpoints/last.ckpt", 1000)
+    touch("lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt", 3000)  # not a last checkpoint
+    assert _resume.resolve_last(trainer(), "last") == old  # the default logger's next run is version_1
+    assert _resume.resolve_last(trainer(), None) is None
+    assert _resume.resolve_last(trainer(), "best") == "best"
+    newer = touch("lightning_logs/version_1/checkpoints/last-v1.ckpt", 2000)
+    assert _resume.resolve_last(trainer(), "last") == newer
+    own = touch("lightning_logs/version_7/checkpoints/last.ckpt", 1500)  # the run's own folder, older: not taken
+    logged = dict(logger=CSVLogger(tmp_path, name="lightning_logs", version=7))
+    assert _resume.resolve_last(trainer(**logged), "last") == newer
+    os.utime(own, (2500, 2500))
+    assert _resume.resolve_last(trainer(**logged), "last") == "last"  # Lightning finds it itself
+    assert _resume.resolve_last(trainer(preemption="exit"), "last") == "last"
+    assert _resume.resolve_last(trainer(logger=False), "last") == "last"
+    assert _resume.resolve_last(trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path / "d")]), "last") == "last"
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NODELIST": "127.0.0.1",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    on_slurm = trainer(logger=False)
+    assert _resume.on_slurm(on_slurm)
+    assert _resume.preemption_path(on_slurm) == str(tmp_path / "hpc_ckpt_1.ckpt")  # Lightning's requeue name
+    hpc = touch("hpc_ckpt_1.ckpt", 4000)
+    assert _resume.preemption_path(on_slurm) == str(tmp_path / "hpc_ckpt_2.ckpt")
+    assert _resume.resolve_last(on_slurm, "last") == hpc
+    assert _resume.resolve_last(on_slurm, None) is None  # Lightning restores it itself

@@ -16,11 +16,19 @@ watcher published), and a rank that must still run a step finds the others doing
 Whatever the main thread is doing, the watcher leaves the process once the grace period (less a margin of
 :data:`_MARGIN_S`) is over: a save that has not finished by then leaves nothing visible (checkpoints are committed
 atomically) and the previous checkpoint under that name stays. Before training starts (setup, the rendezvous's
-aftermath, sanity checking, restoring) there is nothing to save: every rank leaves at once.
+aftermath, sanity checking, restoring) there is nothing to save: every rank leaves at once. In Fabric (before the
+loop first reads ``strategy.preempted``, or in a loop that never does) it leaves through Python's exit path: the main
+thread raises ``SystemExit`` from the handler, so ``finally`` blocks, ``atexit`` and loggers run (the deadline still
+bounds it).
+
+The user's SIGTERM handlers: one installed before this one is chained (called by it, once per signal); one installed
+after it that does not chain it is respected: the watcher acts on the wake-up socket's record of a signal only while
+this handler (or Lightning's, which chains it) is the one installed.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import os
@@ -51,15 +59,20 @@ _SETUP = "setup"  # a rank that left before training started publishes this inst
 _ENDED = "ended"  # ... and one whose training ended (teardown) before it learned of a signal
 _armed = 0  # watchers started in this process
 _GONE = {_SETUP: "left before training started", _ENDED: "had finished training before the signal reached it"}
+_BEFORE_TRAINING = (
+    "before its first step boundary (training not started, or a Fabric loop that does not read strategy.preempted); "
+    "nothing saved"
+)
 _ANSWER_S = 3.0  # a rank's watcher publishes its count within a poll of the signal: one silent this long is gone
 
 
 class Preemption:
     """One rank's watcher and its state. ``who()``: (global rank, world size), read when needed."""
 
-    def __init__(self, grace_s: float, who: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, grace_s: float, who: Callable[[], tuple[int, int]], exit_normally: bool = False) -> None:
         self.grace_s = grace_s
         self.who = who
+        self.exit_normally = exit_normally  # before the first boundary: SystemExit in the main thread, not os._exit
         self.phase = "setup"  # "training" once the first step may start
         self.boundaries = 0  # step boundaries the main thread passed (main thread only)
         self.step: int | None = None  # the training step at the last boundary, for the messages
@@ -82,6 +95,9 @@ class Preemption:
         self._published = False
         self._published_at = 0.0
         self._leaving = threading.Lock()
+        self._interrupting = False  # the watcher asked the main thread to run the handler (interrupt_main)
+        self._exiting = False  # the main thread is leaving through Python's exit path
+        self._telling = threading.RLock()  # one _notice at a time (the watcher's, or the main thread's as it leaves)
 
     # ---------------------------------------------------------------------------------------------- installation
     def start(self, store: Any) -> None:
@@ -111,10 +127,20 @@ class Preemption:
         at_exit.close_at_exit(self.stop)  # a door never torn down (Fabric): stopped before the interpreter shuts down
 
     def take_over(self) -> None:
-        """Put this handler back in front, replacing Lightning's (set in ``Trainer._run``, after setup): Lightning's
-        broadcasts inside the handler, a collective on one rank only, and makes every rank leave at the next batch."""
-        if self._thread is not None and threading.current_thread() is threading.main_thread():
+        """Put this handler back in front of Lightning's (set in ``Trainer._run``, after setup, with this one chained
+        inside it): Lightning's broadcasts inside the handler, a collective on one rank only, and makes every rank
+        leave at the next batch. A handler installed after this one that does not chain it (a user's, a logger's)
+        stays where it is: SIGTERM is then left to it."""
+        if self._thread is None or threading.current_thread() is not threading.main_thread():
+            return
+        if lightning_internals.chained_sigterm_handlers(signal.getsignal(signal.SIGTERM)) == [self._handle]:
             signal.signal(signal.SIGTERM, self._handle)
+
+    def _reached(self) -> bool:
+        """Whether a SIGTERM reaches this handler: it is installed, or Lightning's installed handler chains it. The
+        watcher acts on the wake-up descriptor's record of a signal only then: never behind a later handler's back."""
+        current = signal.getsignal(signal.SIGTERM)
+        return current == self._handle or self._handle in (lightning_internals.chained_sigterm_handlers(current) or [])
 
     def stop(self) -> None:
         """Stop watching and give SIGTERM back to the handler found at :meth:`start`. A rank that was told of a
@@ -127,12 +153,12 @@ class Preemption:
             log.warning("lightning_gaudi_fsdp: the preemption watcher did not stop within its bound")
         if not self.flagged:  # a last look: a rank signalled while this one finished its last step
             with contextlib.suppress(Exception):
-                self._notice()
+                self._tell()
         if self._received is not None and not self._signal:  # signalled here, the store gone: leave all the same
             rank, _ = self.who()
             self._signal = f"{signal.Signals(self._received).name} (received by rank {rank})"
             self.flagged = True
-        if self.flagged:  # training ended first, or failed (a rank that left at the deadline ends a save)
+        if self.flagged and not self._exiting:  # training ended first, or failed (a rank at the deadline ends a save)
             ended = f"training ended at step {self.step} before the save point; nothing saved"
             self._leave(self._unsaved() if self.saving is not None else ended)
         self._publish(_ENDED)  # a rank signalled from now on waits for no count of this one
@@ -148,16 +174,29 @@ class Preemption:
             self._wake = None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        previous = self._previous_handler
         if self._thread is None:  # stopped (Lightning put this handler back after teardown): as before it
-            previous = self._previous_handler
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
-        if self._received is None:
-            self._received = signum
+        if self._interrupting:  # not a signal: the watcher asks the main thread to leave (see _progress)
+            self._interrupting = False
+        else:
+            if self._received is None:
+                self._received = signum
+            if callable(previous):  # a handler installed before this one (the user's): chained, once per signal
+                previous(signum, frame)
+        if self.exit_normally and self.phase == "setup" and not self._exiting:
+            self._exiting = True
+            if self._received is not None:  # the others learn of it before this process is gone
+                with contextlib.suppress(Exception):
+                    self._tell()
+            self._publish(_SETUP)
+            self._say(_BEFORE_TRAINING)
+            raise SystemExit(EXIT_CODE)  # finally blocks, atexit, loggers; the deadline still bounds it
 
     # ------------------------------------------------------------------------------------------------ main thread
     def boundary(self, step: int | None = None) -> bool:
@@ -196,13 +235,13 @@ class Preemption:
                     if ready:
                         with contextlib.suppress(BlockingIOError):
                             received = self._wake[0].recv(64)
-                            if signal.SIGTERM.value in received and self._received is None:
+                            if signal.SIGTERM.value in received and self._received is None and self._reached():
                                 self._received = signal.SIGTERM
                 else:
                     self._stop.wait(_POLL_S)
                 if not self._signal:
                     try:
-                        self._notice()
+                        self._tell()
                     except Exception as err:  # noqa: BLE001 - the store is gone or stalled: go on without it
                         if self._store is None:
                             raise
@@ -219,6 +258,11 @@ class Preemption:
             if self.flagged:
                 self._leave(f"at step {self.step}; coordinating the save failed ({type(err).__name__}: {err})")
             log.warning(f"lightning_gaudi_fsdp: the preemption watcher stopped: {type(err).__name__}: {err}")
+
+    def _tell(self) -> None:
+        with self._telling:
+            if not self._signal:
+                self._notice()
 
     def _notice(self) -> None:
         """Learn of a signal: received here (count it in the store), or counted there by another rank."""
@@ -263,11 +307,16 @@ class Preemption:
         if time.monotonic() >= self._deadline:
             self._leave(self._unsaved())
         if self.phase == "setup":
-            self._publish(_SETUP)
-            self._leave(
-                "before its first step boundary (training not started, or a Fabric loop that does not read "
-                "strategy.preempted); nothing saved"
-            )
+            if not self._published:
+                self._publish(_SETUP)
+            if not self.exit_normally or signal.getsignal(signal.SIGTERM) != self._handle:
+                self._leave(_BEFORE_TRAINING)
+            # Fabric: the main thread raises SystemExit in _handle, run for the signal this rank received, or asked
+            # for here once (a rank that learned of it from the store)
+            if self._received is None and not self._interrupting and not self._exiting:
+                self._interrupting = True
+                _thread.interrupt_main(signal.SIGTERM)
+            return
         if self.phase != "training" or self._decided.is_set():
             return
         if not self._published:
@@ -365,7 +414,10 @@ def arm(door: Any) -> None:
             )
             return
         store = _liveness_store._connect(timeout_s=30)
-    watcher = Preemption(door._config.preemption_grace, lambda: (door.global_rank, door.world_size))
+    from lightning.pytorch.strategies import Strategy as TrainerStrategy
+
+    fabric = not isinstance(door, TrainerStrategy)  # Fabric: leave through Python's exit path before training
+    watcher = Preemption(door._config.preemption_grace, lambda: (door.global_rank, door.world_size), fabric)
     watcher.start(store)
     door._preempt = watcher
 
@@ -414,17 +466,9 @@ def after_fabric_save(door: Any, path: Path) -> None:
     watcher.leave_saved(str(path))
 
 
-def last_checkpoint_path(trainer: Any) -> Path:
-    """Where ``Trainer.fit(ckpt_path="last")`` finds it: the first ``ModelCheckpoint``'s ``last.ckpt`` (whatever its
-    ``save_last``), else ``<default_root_dir>/checkpoints/last.ckpt``."""
-    callback = trainer.checkpoint_callback
-    if callback is not None and callback.dirpath is not None:
-        return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-    return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-
-
 class _SaveAtPreemption(Callback):
-    """Last of the Trainer's callbacks: at the save point, save the completed step to ``last.ckpt`` and leave."""
+    """Last of the Trainer's callbacks: at the save point, save the completed step (``_resume.preemption_path``) and
+    leave."""
 
     def __init__(self, watcher: Preemption) -> None:
         self.watcher = watcher
@@ -435,13 +479,13 @@ class _SaveAtPreemption(Callback):
         watcher = self.watcher
         if not watcher.boundary(trainer.global_step):
             return
-        from lightning_gaudi_fsdp import _checkpoints
+        from lightning_gaudi_fsdp import _checkpoints, _resume
 
-        path = last_checkpoint_path(trainer)
-        watcher.saving = str(path)
+        path = _resume.preemption_path(trainer)
+        watcher.saving = path
         for logger in trainer.loggers:  # as Lightning's SLURM requeue does before its save
             with contextlib.suppress(Exception):
                 logger.finalize("finished")
         trainer.save_checkpoint(path)
-        _checkpoints.wait_for_saves(trainer.strategy, f"the preemption checkpoint {str(path)!r}")
-        watcher.leave_saved(str(path))
+        _checkpoints.wait_for_saves(trainer.strategy, f"the preemption checkpoint {path!r}")
+        watcher.leave_saved(path)

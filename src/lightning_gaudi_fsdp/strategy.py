@@ -24,7 +24,17 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gaudi_fsdp import _checkpoints, _config, _liveness, _platform, _preemption, _report, _sharding, precision
+from lightning_gaudi_fsdp import (
+    _checkpoints,
+    _config,
+    _liveness,
+    _platform,
+    _preemption,
+    _report,
+    _resume,
+    _sharding,
+    precision,
+)
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.engine import fsdp1
@@ -194,6 +204,11 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         self._heartbeat: _liveness.Heartbeat | None = None
 
     # ------------------------------------------------------------------------------------------- devices, backend
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        _resume.install(self)  # fit(ckpt_path="last") finds a preempted run's checkpoint in its logger's version
+
     @override
     def teardown(self) -> None:
         try:

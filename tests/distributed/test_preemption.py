@@ -1,13 +1,17 @@
-"""Preemption (``preemption="save"``): a real SIGTERM to one rank, every rank or the launcher, mid-epoch. Every
+"""Preemption (``preemption="save"``): a real SIGTERM to one rank, every rank or the launcher, mid-epoch, with
+Lightning's defaults (its logger, hence a new ``version_N`` per run, its ``ModelCheckpoint``, the progress bar). Every
 process is gone within the grace period, each rank printed one line with the signal, the step and the checkpoint,
-the checkpoint (``last.ckpt`` where ``fit(ckpt_path="last")`` finds it) holds that step, and resuming from it to the
-end equals the run that never stopped, bitwise (a dataloader with ``state_dict``/``load_state_dict`` resumes
-mid-epoch). A disk too slow for the grace period: the previous ``last.ckpt`` stays, nothing partial is visible, and
-every rank leaves in time, saying so.
+the checkpoint (``version_0/checkpoints/last.ckpt``) holds that step, and the same command with
+``ckpt_path="last"`` (in ``version_1``) trains from the next step to the end, bitwise equal to the run that never
+stopped (a dataloader with ``state_dict``/``load_state_dict`` resumes mid-epoch). Under SLURM the save is Lightning's
+requeue checkpoint, which the requeued job restores without any ``ckpt_path``. The user's SIGTERM handlers run once,
+whether installed before the strategy's (chained) or after it (respected). A disk too slow for the grace period: the
+previous ``last.ckpt`` stays, nothing partial is visible, and every rank leaves in time, saying so. A Fabric loop that
+never reads ``preempted`` leaves through its ``finally`` blocks.
 
-The default run has one representative case (FSDP1, sharded, SIGTERM to rank 1 under the scenario pool, a
-torchrun-style launcher), the slow disk and the Fabric loop; ``pytest -m slow`` runs the matrix of engines, formats,
-targets and launchers.
+The default run has one representative case (FSDP1, sharded, SIGTERM to Lightning's launcher), the handler installed
+after the strategy's, the slow disk and both Fabric loops; ``pytest -m slow`` runs the matrix of engines, formats,
+targets and launchers, SLURM's requeue and the phases outside a training step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distributed import test_resume
 from distributed.test_failure_matrix import run_job
@@ -30,6 +35,7 @@ BLOCK = "common.Block"
 GRACE_S = 20  # the preemption_grace of these runs (the default is 25)
 SIGNAL_STEP = 1  # the SIGTERM lands during step 2 of 4 of the first epoch: the save point is mid-epoch
 EXIT_CODE = 75
+LAST = Path("lightning_logs", "version_0", "checkpoints", "last.ckpt")  # the first run's, under default_root_dir
 
 
 def _module() -> dict:
@@ -41,8 +47,8 @@ def _strategy(fmt: str, engine: int, grace: float = GRACE_S) -> dict:
 
 
 def _cfg(strategy: dict, root: Path, **extra) -> dict:
-    # Lightning's default ModelCheckpoint (no logger): last.ckpt under <default_root_dir>/checkpoints
-    trainer = {"enable_checkpointing": True, "default_root_dir": str(root)}
+    # Lightning's defaults: its logger (version_N per run), its ModelCheckpoint (folder from the logger), progress bar
+    trainer = {"logger": True, "enable_checkpointing": True, "enable_progress_bar": True, "default_root_dir": str(root)}
     return {"strategy": strategy, "module": _module(), "max_steps": 8, "trainer": trainer, **extra}
 
 
@@ -77,48 +83,109 @@ def _check_preempted(output: str, ckpt: Path, gone_after_s: float, signalled: st
     return step
 
 
-def _resume_equals_uninterrupted(scenario, strategy: dict, root: Path, ckpt: Path, straight: dict) -> None:
-    resumed = scenario(_cfg(strategy, root, ckpt_path="last"))
-    assert f"Restored all states from the checkpoint at {ckpt}" in resumed.proc.stderr
-    _assert_same_run(resumed.final(), straight)
+def _handled(out: Path) -> dict[int, int]:
+    """How many times each rank's user SIGTERM handler ran (``train.count_sigterms``)."""
+    return {
+        r: json.loads((out / f"handler{r}.json").read_text()) for r in (0, 1) if (out / f"handler{r}.json").exists()
+    }
+
+
+def _straight(uninterrupted, strategy: dict) -> dict:
+    # test_resume's uninterrupted run, shared with its module (logger=False there: logging plays no part in weights)
+    return uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
+
+
+def _continues(resumed_output: str, first_step: int, final: dict, ckpt: Path, step: int, straight: dict) -> None:
+    """The requeued run restored ``ckpt``, trained first the step after the saved one, and ended as the run that
+    never stopped, bitwise (a restart from step 0 would end there too: hence the first step)."""
+    assert f"Restored all states from the checkpoint at {ckpt}" in resumed_output, resumed_output[-6000:]
+    assert first_step == step + 1
+    _assert_same_run(final, straight)
 
 
 CASES = [
-    pytest.param("sharded", 1, "rank1", id="sharded-fsdp1-rank1"),
-    pytest.param("local", 1, "rank1", marks=pytest.mark.slow, id="local-fsdp1-rank1"),
-    pytest.param("sharded", 2, "rank1", marks=pytest.mark.slow, id="sharded-fsdp2-rank1"),
+    pytest.param("sharded", 1, "launcher", id="sharded-fsdp1-launcher"),
+    pytest.param("local", 1, "launcher", marks=pytest.mark.slow, id="local-fsdp1-launcher"),
+    pytest.param("sharded", 2, "launcher", marks=pytest.mark.slow, id="sharded-fsdp2-launcher"),
+    pytest.param("local", 2, "launcher", marks=pytest.mark.slow, id="local-fsdp2-launcher"),
+    pytest.param("sharded", 1, "rank1", marks=pytest.mark.slow, id="sharded-fsdp1-rank1"),
     pytest.param("local", 2, "all", marks=pytest.mark.slow, id="local-fsdp2-all"),
-    pytest.param("sharded", 1, "all", marks=pytest.mark.slow, id="sharded-fsdp1-all"),
     pytest.param("full", 1, "rank1", marks=pytest.mark.slow, id="full-fsdp1-rank1"),
 ]
 
 
 @pytest.mark.parametrize(("fmt", "engine", "to"), CASES)
-def test_sigterm_mid_epoch_saves_the_completed_step_and_resumes_exactly(
+def test_sigterm_mid_epoch_with_lightnings_defaults_saves_and_the_same_command_with_ckpt_path_last_continues(
     scenario, tmp_path, uninterrupted, fmt, engine, to
 ):
+    """``to="launcher"``: the process a user (or Kubernetes) started, Lightning's launcher, which is rank 0; the
+    others under the scenario pool (torchrun-style). The user's SIGTERM handler, installed before the strategy's,
+    runs once on each signalled rank. The requeued run logs to ``version_1`` and finds ``version_0``'s save."""
     strategy = _strategy(fmt, engine)
     root = tmp_path / "root"
-    cfg = _cfg(strategy, root, sigterm={"step": SIGNAL_STEP, "to": to, "delay": 0.02})
-    run = scenario(cfg, expect_ok=False)
+    launcher = "lightning" if to == "launcher" else "pool"
+    signal_cfg = {"step": SIGNAL_STEP, "to": to, "delay": 0.02}
+    cfg = _cfg(strategy, root, sigterm=signal_cfg, user_handler="before", out=str(tmp_path / "preempted"))
+    run = scenario(cfg, expect_ok=False, launcher=launcher)
     gone = time.monotonic()
     assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
-    ckpt = root / "checkpoints" / "last.ckpt"
-    _check_preempted(run.proc.stderr, ckpt, gone - _signalled_at(run.out), "1" if to == "rank1" else "any")
-    straight = uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
-    _resume_equals_uninterrupted(scenario, strategy, root, ckpt, straight)
+    ckpt = root / LAST
+    signalled = {"launcher": "0", "rank1": "1", "all": "any"}[to]
+    step = _check_preempted(run.proc.stderr, ckpt, gone - _signalled_at(run.out), signalled)
+    assert _handled(run.out) == {"launcher": {0: 1}, "rank1": {1: 1}, "all": {0: 1, 1: 1}}[to]
+    resumed = scenario(_cfg(strategy, root, ckpt_path="last", out=str(tmp_path / "resumed")), launcher=launcher)
+    assert f'fit(ckpt_path="last") resumes from {ckpt}' in resumed.proc.stderr, resumed.proc.stderr[-6000:]
+    assert (root / "lightning_logs" / "version_1").is_dir()  # the requeued run logged to a version of its own
+    _continues(
+        resumed.proc.stderr,
+        resumed.rank(0)["first_step"],
+        resumed.final(),
+        ckpt,
+        step,
+        _straight(uninterrupted, strategy),
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("launcher", "engine", "to"), [("lightning", 1, "launcher"), ("torchrun", 2, "launcher"), ("slurm", 1, "all")]
-)
+def test_under_slurm_the_requeued_job_restores_the_preemption_save_by_itself(tmp_path, uninterrupted):
+    """SLURM signals every task; the save is Lightning's requeue checkpoint, ``<default_root_dir>/hpc_ckpt_1.ckpt``,
+    and the requeued job (no ``ckpt_path``) restores it itself, as after Lightning's own SLURM requeue."""
+    strategy = _strategy("sharded", 1)
+    root = tmp_path / "root"
+    cfg = _cfg(strategy, root, sigterm={"step": SIGNAL_STEP, "to": "all", "delay": 0.02})
+    job = run_job("slurm", cfg, tmp_path / "job")
+    assert not job.leftovers, job.output[-6000:]
+    assert set(job.codes) == {EXIT_CODE}, job.output[-6000:]
+    ckpt = root / "hpc_ckpt_1.ckpt"
+    step = _check_preempted(job.output, ckpt, job.gone_at - _signalled_at(tmp_path / "job" / "out"), "any")
+    requeued = run_job("slurm", {**cfg, "sigterm": None}, tmp_path / "requeued")
+    assert set(requeued.codes) == {0}, requeued.output[-6000:]
+    out = tmp_path / "requeued" / "out"
+    first_step = json.loads((out / "rank0.json").read_text())["first_step"]
+    final = torch.load(out / "final.pt", weights_only=False)
+    _continues(requeued.output, first_step, final, ckpt, step, _straight(uninterrupted, strategy))
+
+
+def test_a_sigterm_handler_installed_after_the_strategys_is_left_in_charge(scenario, tmp_path):
+    """A handler installed in ``on_train_start`` (after the strategy's, not chaining it) runs once, and the strategy
+    does not act behind its back: no save, no exit; training ends normally."""
+    root = tmp_path / "root"
+    cfg = _cfg(_strategy("sharded", 1), root, user_handler="after", sigterm={"step": SIGNAL_STEP, "to": "rank1"})
+    run = scenario(cfg)
+    assert "preempted by" not in run.proc.stderr, run.proc.stderr[-6000:]
+    assert _handled(run.out) == {1: 1}
+    assert run.rank(0)["global_step"] == 8
+    assert not (root / LAST).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("launcher", "engine", "to"), [("lightning", 1, "launcher"), ("torchrun", 2, "launcher")])
 def test_sigterm_to_the_launcher_process_saves_and_resumes_exactly(
     scenario, tmp_path, uninterrupted, launcher, engine, to
 ):
     """SIGTERM to the process a user (or Kubernetes) started: Lightning's launcher is rank 0 itself; torchrun's agent
-    forwards it to its workers; SLURM signals every task. A ModelCheckpoint that keeps no last.ckpt of its own still
-    gets one."""
+    forwards it to its workers. A ModelCheckpoint with its own ``dirpath`` that keeps no last.ckpt of its own still
+    gets one, there (the logger's version plays no part)."""
     strategy = _strategy("sharded", engine)
     root = tmp_path / "root"
     dirpath = tmp_path / "ckpts"
@@ -130,9 +197,9 @@ def test_sigterm_to_the_launcher_process_saves_and_resumes_exactly(
     if launcher != "torchrun":  # Lightning's launcher (rank 0), or each srun task
         assert set(job.codes) == {EXIT_CODE}, job.output[-6000:]
     ckpt = dirpath / "last.ckpt"
-    signalled = "0" if launcher == "lightning" else "any"  # torchrun's agent and SLURM signal every rank
+    signalled = "0" if launcher == "lightning" else "any"  # torchrun's agent signals every rank
     _check_preempted(job.output, ckpt, job.gone_at - _signalled_at(tmp_path / "job" / "out"), signalled)
-    straight = uninterrupted(strategy, {k: v for k, v in _module().items() if k != "stateful_loader"})
+    straight = _straight(uninterrupted, strategy)
     resumed = scenario({**cfg, "sigterm": None, "ckpt_path": "last"})
     assert f"Restored all states from the checkpoint at {ckpt}" in resumed.proc.stderr
     _assert_same_run(resumed.final(), straight)
@@ -184,7 +251,7 @@ def test_sigterm_outside_a_training_step_ends_every_rank_in_time_losing_nothing(
     gone_after = time.monotonic() - _signalled_at(run.out)
     assert run.proc.returncode in ((EXIT_CODE, 1) if phase == "teardown" else (EXIT_CODE,)), run.proc.stderr[-6000:]
     assert gone_after < GRACE_S
-    ckpt = root / "checkpoints" / "last.ckpt"
+    ckpt = root / ("checkpoints/last.ckpt" if phase == "save" else LAST)
     if phase in ("validation", "save"):
         step = _check_preempted(run.proc.stderr, ckpt, gone_after, "1")
         # validation follows step 2 (the next step is saved); the save of step 2 runs before its boundary (saved)
@@ -223,3 +290,27 @@ def test_fabric_loop_saves_when_preempted_reads_true_on_every_rank(scenario, tmp
     gone = time.monotonic()
     assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
     _check_preempted(run.proc.stderr, ckpt, gone - _signalled_at(run.out), "1")  # its global_step: that step
+
+
+def test_a_fabric_loop_that_never_reads_preempted_leaves_through_its_finally_blocks(scenario, tmp_path):
+    """The loop ignores ``preempted``: the signalled rank leaves from its SIGTERM handler, the other when told, both
+    through Python's exit path (the script's ``finally`` block runs) with exit code 75, in time. The user's handler,
+    installed before the strategy's, runs once, on the signalled rank only."""
+    cfg = {
+        "strategy": _strategy("sharded", 1),
+        "epochs": 20,
+        "user_handler": "before",
+        "preempt": {"step": SIGNAL_STEP, "to": "rank1", "delay": 0.02, "ignore": 2.0},  # each step then pauses 2 s
+    }
+    run = scenario(cfg, script="fabric_loop.py", expect_ok=False)
+    gone_after = time.monotonic() - _signalled_at(run.out)
+    assert run.proc.returncode == EXIT_CODE, run.proc.stderr[-6000:]
+    assert gone_after < GRACE_S
+    assert sorted(p.name for p in run.out.glob("finally*.json")) == ["finally0.json", "finally1.json"]
+    assert _handled(run.out) == {1: 1}
+    for rank in (0, 1):
+        assert re.search(
+            rf"lightning_gaudi_fsdp: rank {rank} of 2 preempted by SIGTERM \(received by rank 1\): before its first "
+            rf"step boundary .*; nothing saved; leaving with exit code {EXIT_CODE}",
+            run.proc.stderr,
+        ), run.proc.stderr[-6000:]

@@ -38,7 +38,7 @@ from common import (
     write_json,
 )
 from torch import nn
-from train import arm_slow_copies, arm_write_probes, leave, sigterm_later
+from train import arm_slow_copies, arm_write_probes, count_sigterms, leave, sigterm_later
 
 from lightning_gaudi_fsdp.checkpoint import formats
 from lightning_gaudi_fsdp.engine import pieces
@@ -221,8 +221,11 @@ def main() -> None:
         strategy=strategy,
         precision=cfg.get("precision", "32-true"),
     )
+    if cfg.get("user_handler") == "before":  # the user's, installed before the strategy's: chained by it
+        count_sigterms(out, int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))))
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
+    _FINALLY.update(out=out, rank=rank)
     fail = cfg.get("fail")
     preempt = cfg.get("preempt")  # {"step", "to", "delay", "path"}: see train.SignalAt
     fabric.seed_everything(7)
@@ -304,7 +307,9 @@ def main() -> None:
             state["global_step"] = state.get("global_step", 0) + 1
             if preempt and state["global_step"] == preempt["step"]:
                 sigterm_later(preempt["to"], rank, out, preempt.get("delay", 0.0))
-            if fabric.strategy.preempted:  # the same answer on every rank, at the same step
+            if preempt and preempt.get("ignore"):  # a loop that never reads preempted (and a step that takes a while)
+                time.sleep(preempt["ignore"])
+            elif fabric.strategy.preempted:  # the same answer on every rank, at the same step
                 fabric.save(preempt["path"], state)  # commits, then every rank leaves (exit code 75)
             if reference is not None:
                 loss = nn.functional.mse_loss(reference(x), y)
@@ -384,5 +389,12 @@ def main() -> None:
     leave()
 
 
+_FINALLY: dict[str, Any] = {}  # where the script's finally block records that it ran
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a preemption in a loop that never reads strategy.preempted leaves through here (SystemExit)
+        if _FINALLY:
+            write_json(_FINALLY["out"], f"finally{_FINALLY['rank']}.json", {"at": time.monotonic()})

@@ -93,6 +93,9 @@ class Probe(Callback):
                 self.out / "start.pt",
             )
 
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.info.setdefault("first_step", trainer.global_step + 1)  # the first step this run trains
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
         _NOW["step"] = trainer.global_step
@@ -612,10 +615,39 @@ def arm_slow_disk(seconds: float) -> None:
     FullStream.write = slowed(FullStream.write)  # type: ignore[method-assign]
 
 
+def count_sigterms(out: Path, rank: int, chain: bool = False) -> None:
+    """Install a user's SIGTERM handler that counts its calls in ``handler<rank>.json`` (``chain``: and then calls the
+    handler it replaced, as a well-behaved one does)."""
+    import signal
+
+    calls, previous = [], signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        calls.append(time.monotonic())
+        write_json(out, f"handler{rank}.json", len(calls))
+        if chain and callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+class UserHandlerAtTrainStart(Callback):
+    """``user_handler: "after"``: the user's handler, installed in ``on_train_start`` (after the strategy's), that
+    does not chain the strategy's."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        count_sigterms(self.out, trainer.global_rank)
+
+
 def main() -> None:
     cfg = load_config()
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("user_handler") == "before":  # installed before the strategy's: chained by it
+        count_sigterms(out, env_rank())
     if cfg.get("exit_normally"):
         record_what_outlives(out)
     if cfg.get("kill_launcher_after_spawn"):
@@ -649,6 +681,8 @@ def main() -> None:
     callbacks: list[Callback] = [Probe(out, cfg)]
     if kill_at is not None:
         callbacks.append(kill_at)
+    if cfg.get("user_handler") == "after":
+        callbacks.append(UserHandlerAtTrainStart(out))
     if cfg.get("sigterm"):
         callbacks.append(SignalAt(**cfg["sigterm"], out=out))
     if cfg.get("hook_reads_checkpoint"):

@@ -87,3 +87,64 @@ def fit_weights_only(trainer: pl.Trainer | None) -> bool | None:
         return None
     finally:
         del frame  # no reference cycle through this frame
+
+
+def resolve_fit_ckpt_path(strategy: Any, resolve: Any) -> None:
+    """Have the strategy's launcher (in every process, before Lightning selects the checkpoint: ``Trainer._fit_impl``
+    calls ``_select_ckpt_path`` first) pass the ``ckpt_path`` given to ``Trainer.fit`` through ``resolve(trainer,
+    ckpt_path)``, whose answer Lightning then reads as it would the user's. Where processes are created externally
+    (torchrun, SLURM) Lightning's ``FSDPStrategy`` has no launcher: one that runs the function in place does it."""
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+    class _InPlace(_Launcher):
+        @property
+        def is_interactive_compatible(self) -> bool:
+            return True
+
+        def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+        def kill(self, signum: Any) -> None:
+            pass  # no process of its own
+
+    if strategy._launcher is None:
+        strategy._launcher = _InPlace()
+    launcher = strategy._launcher
+    real = launcher.launch
+
+    def launch(function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if getattr(function, "__name__", "") == "_fit_impl" and trainer is not None:
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            bound.arguments["ckpt_path"] = resolve(trainer, bound.arguments.get("ckpt_path"))
+            args, kwargs = bound.args, bound.kwargs
+        return real(function, *args, trainer=trainer, **kwargs)
+
+    launcher.launch = launch
+
+
+def hpc_save_path(folder: str) -> str:
+    """The next ``hpc_ckpt_<n>.ckpt`` in ``folder``: where Lightning's own SLURM requeue saves."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector.hpc_save_path(folder)
+
+
+def hpc_resume_path(trainer: pl.Trainer) -> str | None:
+    """The newest ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``: what Lightning restores by itself under SLURM when
+    ``fit`` is given no ``ckpt_path``."""
+    return trainer._checkpoint_connector._hpc_resume_path
+
+
+def last_checkpoints(callback: Any, trainer: pl.Trainer) -> set[str]:
+    """The ``last*.ckpt`` that ``fit(ckpt_path="last")`` considers in this ``ModelCheckpoint``'s folder."""
+    return callback._find_last_checkpoints(trainer)
+
+
+def chained_sigterm_handlers(handler: Any) -> list[Any] | None:
+    """The handlers inside Lightning's SIGTERM handler (``_SignalConnector.register_signal_handlers`` composes its own
+    with the one it found), less Lightning's own; None if ``handler`` is not Lightning's."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
+
+    if not isinstance(handler, _HandlersCompose):
+        return None
+    return [h for h in handler.signal_handlers if not isinstance(getattr(h, "__self__", None), _SignalConnector)]
