@@ -385,3 +385,20 @@ def test_shards_offloaded_to_host_memory_are_gathered_by_torch_on_hccl(tmp_path)
     if "fsdp2_gathers_itself" in seen["gloo"]:
         assert seen["gloo"]["fsdp2_gathers_itself"] is True
         assert seen["hccl"]["fsdp2_gathers_itself"] is False
+
+
+def test_on_a_bound_hccl_group_background_saves_and_module_sync_work_as_on_gaudi(scenario):
+    """Two ranks on the double, its default group bound to ``hpu:0`` as Lightning binds it and its ``hccl`` carrying
+    ``hpu`` tensors only, as Intel's: the background saver's group forms and gathers (torch's ``new_group`` would
+    inherit the binding and ask gloo for an ``hpu`` backend), and ``sync_module_states`` gives every rank rank 0's
+    weights (a broadcast of host tensors over ``hccl`` fails on Gaudi)."""
+    run = scenario({"accelerator": "hpu", "devices": 2}, script="gaudi_bound.py")
+    for rank in (0, 1):
+        info = run.rank(rank)
+        assert (info["backend"], info["bound"]) == ("hccl", "hpu:0")
+        assert "No backend type associated with device type cpu" in info["cpu_over_hccl"]  # the double is strict
+        assert info["background_error"] is None
+        assert info["background_gather"] == [0, 1]
+        assert info["broadcast_error"] is None
+        assert info["after_sync"] == run.rank(0)["before_sync"]
+    assert run.rank(1)["before_sync"] != run.rank(0)["before_sync"]
