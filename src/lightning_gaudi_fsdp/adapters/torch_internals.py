@@ -1,7 +1,8 @@
 """torch internals other than FSDP1's flat parameters, read in one place: ``torch.save``'s zip writer (the streaming
 full save), the globals a safe unpickler must allow, distributed-checkpoint (DCP) entry points and planners used
-without a process group, a host group beside a device-bound default group, ``ShardedTensor``/``DTensor`` construction, ``nn.Module``'s own state-dict parts, the
-activation-checkpointing wrapper, and two dispatcher/autograd probes.
+without a process group, a host group beside a device-bound default group, ``ShardedTensor``/``DTensor``
+construction, ``nn.Module``'s own state-dict parts, the activation-checkpointing wrapper, and two dispatcher/autograd
+probes.
 
 Each function names the fact it gives; ``tests/test_adapters.py`` checks every private name used here.
 """
