@@ -60,8 +60,7 @@ def test_probe_devices_and_version(fake_gaudi, monkeypatch):
     assert gaudi.is_available() is True
     assert gaudi.device_count() == 4
     assert gaudi.bridge_version() == "1.21.0-fake"
-    torch.hpu.set_device(3)
-    assert gaudi.current_device() == torch.device("hpu", 3)
+    assert gaudi.current_device() == torch.device("hpu", 0)  # each process's own device, whichever it acquired
 
 
 def test_lazy_mode_is_refused_with_the_fix(fake_gaudi, monkeypatch):
@@ -132,9 +131,30 @@ def test_hpu_trainer_uses_hccl_and_the_bridge_device(fake_gaudi, monkeypatch):
     trainer = _hpu_trainer(GaudiFSDPStrategy())
     strategy = trainer.strategy
     assert strategy._get_process_group_backend() == "hccl"
-    torch.hpu.set_device(1)
-    assert strategy.root_device == torch.device("hpu", 1)
-    assert strategy._fsdp_device() == torch.device("hpu", 1)  # always a device, never an index
+    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
+    assert strategy._fsdp_device() == torch.device("hpu", 0)  # always a device, never an index
+    with pytest.raises(RuntimeError, match="index based device selection is not supported on HPU"):
+        torch.hpu.set_device(1)  # the double refuses what the bridge refuses
+
+
+@pytest.mark.parametrize("door", ["trainer", "fabric"])
+@pytest.mark.parametrize("device_id", [1, "hpu:3", torch.device("hpu", 1), "cpu"])
+def test_a_device_id_other_than_hpu_0_is_refused_on_gaudi_before_any_process(fake_gaudi, monkeypatch, door, device_id):
+    from lightning_gaudi_fsdp import fabric
+
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    expected = (
+        rf"device_id={re.escape(repr(device_id))} is not supported on Gaudi: each process addresses the device the "
+        r"bridge gave it as hpu:0 \(index based device selection is not supported on HPU\); expected None, 0, 'hpu', "
+        r"'hpu:0' or torch.device\('hpu', 0\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        if door == "trainer":
+            _hpu_trainer(GaudiFSDPStrategy(device_id=device_id))
+        else:
+            L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(device_id=device_id))
+    for accepted in (None, 0, "hpu", "hpu:0", torch.device("hpu", 0)):
+        assert _hpu_trainer(GaudiFSDPStrategy(device_id=accepted)).strategy._fsdp_device() == torch.device("hpu", 0)
 
 
 def test_hpu_with_gloo_is_refused_when_the_trainer_is_built(fake_gaudi, monkeypatch):

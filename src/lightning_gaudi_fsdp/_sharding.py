@@ -27,7 +27,10 @@ def fsdp_device(door: Any) -> torch.device:
         return door.root_device
     if isinstance(device_id, int):
         return torch.device(door.root_device.type, device_id)
-    return torch.device(device_id)
+    device = torch.device(device_id)
+    if device.index is None and device.type == door.root_device.type:
+        return door.root_device  # "hpu": this rank's own device, with its index
+    return device
 
 
 def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:

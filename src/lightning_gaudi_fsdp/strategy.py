@@ -57,7 +57,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         ignored_states: parameters or modules (objects or names) that FSDP does not manage.
         param_init_fn: called on each module still on the meta device to materialise it (a callable or its
             dotted path). Without it, FSDP calls ``reset_parameters()`` of each meta module.
-        device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``.
+        device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``. On
+            Gaudi each process addresses its own device as ``hpu:0`` (the bridge selects no device by index): only
+            ``None``, ``0``, ``"hpu"``, ``"hpu:0"`` are accepted there, anything else is refused before any process.
         sync_module_states: broadcast rank 0's parameters and buffers at wrap time.
         forward_prefetch: prefetch the next all-gather during the forward pass.
         limit_all_gathers: rate-limit all-gathers to bound device memory (default ``True``).
