@@ -148,11 +148,12 @@ def test_a_device_id_other_than_hpu_0_is_refused_on_gaudi_before_any_process(fak
         r"bridge gave it as hpu:0 \(index based device selection is not supported on HPU\); expected None, 0, 'hpu', "
         r"'hpu:0' or torch.device\('hpu', 0\)"
     )
+    if door == "trainer":
+        build = lambda: _hpu_trainer(GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
+    else:
+        build = lambda: L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
     with pytest.raises(ValueError, match=expected):
-        if door == "trainer":
-            _hpu_trainer(GaudiFSDPStrategy(device_id=device_id))
-        else:
-            L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(device_id=device_id))
+        build()
     for accepted in (None, 0, "hpu", "hpu:0", torch.device("hpu", 0)):
         assert _hpu_trainer(GaudiFSDPStrategy(device_id=accepted)).strategy._fsdp_device() == torch.device("hpu", 0)
 
