@@ -236,6 +236,14 @@ PAIRING_FIX = (
             id="tested-pairing",
         ),
         pytest.param(
+            "2.11.0",
+            "2.6.6",
+            "[ok  ] torch + Lightning  Gaudi software 1.24.1's torch; "
+            "CI: representative suite (torch 2.11.0 + Lightning 2.6.6)",
+            None,
+            id="gaudi-1.24",
+        ),
+        pytest.param(
             "2.5.1",
             "2.5.1",
             "[warn] torch + Lightning  torch 2.5.1 is older than the supported 2.6 (Gaudi software 1.21)",
