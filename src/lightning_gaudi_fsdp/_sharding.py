@@ -16,7 +16,7 @@ from torch.nn import Module
 from lightning_gaudi_fsdp import _report, gaudi, module_options
 from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
-from lightning_gaudi_fsdp.engine.pieces import gather_objects
+from lightning_gaudi_fsdp.engine.pieces import carries_host_tensors, gather_objects
 
 log = logging.getLogger("lightning_gaudi_fsdp")
 
@@ -154,8 +154,7 @@ def broadcast_module_states(module: Module) -> None:
     if not torch.distributed.is_initialized():
         return
     # The model is still on the host; Intel's hccl carries hpu tensors only: broadcast over a gloo group there.
-    host = torch_internals.carries_host_tensors()
-    group = None if host else torch_internals.new_host_group()
+    group = None if carries_host_tensors() else torch_internals.new_host_group()
     try:
         with torch.no_grad():
             for tensor in states:

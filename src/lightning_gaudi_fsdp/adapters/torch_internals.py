@@ -40,14 +40,6 @@ def new_host_group(**kwargs: Any) -> Any:
         default.bound_device_id = bound
 
 
-def carries_host_tensors(group: Any = None) -> bool:
-    """Whether ``group``'s backend takes CPU tensors: gloo does; nccl and Intel's ``hccl`` (registered for ``hpu``
-    only) do not. Read from the devices each backend registered for (``Backend.backend_capability``)."""
-    dist = torch.distributed
-    backend = str(dist.get_backend(group))
-    return "cpu" in dist.Backend.backend_capability.get(backend, ["cpu"])
-
-
 # ------------------------------------------------------------------------------------------------ c10d's threads
 # The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``) on 2.13 and 2.14;
 # 2.6 and 2.9 leave them unnamed (they carry the process's name). ``_exit`` waits for them to go idle at exit.
