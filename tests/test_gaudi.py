@@ -421,7 +421,7 @@ def test_on_a_bound_hccl_group_background_saves_and_module_sync_work_as_on_gaudi
     ``hpu`` tensors only, as Intel's: the background saver's group forms and gathers (torch's ``new_group`` would
     inherit the binding and ask gloo for an ``hpu`` backend), and ``sync_module_states`` gives every rank rank 0's
     weights (a broadcast of host tensors over ``hccl`` fails on Gaudi)."""
-    run = scenario({"accelerator": "hpu", "devices": 2}, script="gaudi_bound.py")
+    run = scenario({"devices": 2}, script="gaudi_bound.py")  # ranks started as torchrun would (no relaunch)
     for rank in (0, 1):
         info = run.rank(rank)
         assert (info["backend"], info["bound"]) == ("hccl", "hpu:0")

@@ -1,4 +1,4 @@
-"""Fabric's door on Gaudi as the habana_frameworks double presents it: 2 ranks started by Lightning's launcher, the
+"""Fabric's door on Gaudi as the habana_frameworks double presents it: 2 ranks (started as torchrun would), the
 default group on the double's ``hccl`` (``hpu`` tensors only) and bound to ``hpu:0`` the way Lightning binds it
 (``init_process_group(..., device_id=root_device)``). What real Gaudi would refuse: a CPU tensor over ``hccl``; the
 background saver's gloo group beside the bound default group; ``sync_module_states``' broadcast of a model still on
