@@ -88,6 +88,13 @@ def test_import_hccl_registers_the_backend(fake_gaudi):
     assert "hccl" in dist.Backend.backend_list
 
 
+def test_the_double_binds_a_process_group_to_hpu_0_only(fake_gaudi):
+    gaudi.import_hccl()
+    with pytest.raises(ValueError, match=r"device_id=device\(type='hpu', index=1\)\): the fake Gaudi bridge"):
+        dist.init_process_group("hccl", device_id=torch.device("hpu", 1), rank=0, world_size=1, store=dist.HashStore())
+    assert not dist.is_initialized()
+
+
 def test_checkpoints_stage_into_pinned_host_memory_only_on_gaudi(fake_gaudi, monkeypatch):
     from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 
