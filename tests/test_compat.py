@@ -35,6 +35,12 @@ pytestmark = pytest.mark.versions  # the dcp_save branch differs between torch 2
                 "Gaudi software 1.23's torch; CI: representative suite, FSDP2 included (torch 2.9.1 + Lightning 2.5.1)",
             ),
         ),
+        ("2.10.0", "2.6.6", (True, "Gaudi software 1.24.0's torch; CI: not run (between the tested 2.9 and 2.11)")),
+        (
+            "2.11.0",
+            "2.6.6",
+            (True, "Gaudi software 1.24.1's torch; CI: representative suite (torch 2.11.0 + Lightning 2.6.6)"),
+        ),
         ("2.13.0+cpu", "2.6.6", (True, "CI: full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)")),
         (
             "2.13.0",

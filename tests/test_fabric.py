@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import pydoc
+import typing
 
 import lightning as L
 import pytest
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy as TrainerStrategy
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
@@ -16,24 +19,97 @@ from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 
-def test_same_arguments_and_defaults_as_the_trainer_strategy():
+def _own(door: type) -> tuple[str, ...]:
+    """The arguments a door takes for Lightning's plugins (not FSDP's): the Trainer's and Fabric's differ."""
+    if door is TrainerStrategy:
+        return ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+    return ("accelerator", "parallel_devices", "cluster_environment", "precision")
+
+
+def test_both_doors_name_and_type_every_argument_from_one_definition():
     from lightning_gaudi_fsdp._config import resolve
 
-    trainer = dict(inspect.signature(TrainerStrategy.__init__).parameters)
-    for lightning_only in ("self", "accelerator", "parallel_devices", "cluster_environment"):
-        trainer.pop(lightning_only)
-    trainer.pop("precision_plugin"), trainer.pop("checkpoint_io")  # Fabric: `precision`; FSDP uses no CheckpointIO
-    fabric = inspect.signature(GaudiFSDPStrategy.__init__).parameters  # async_save: in the signature, as here
-    assert fabric["async_save"].default == trainer.pop("async_save").default is False
-    shared = inspect.signature(resolve).parameters  # what Fabric's strategy takes as keywords, with its defaults
-    assert list(shared) == list(trainer)
-    assert {k: p.default for k, p in shared.items()} == {k: p.default for k, p in trainer.items()}
+    shared = inspect.signature(resolve).parameters
+    for door in (TrainerStrategy, GaudiFSDPStrategy):
+        parameters = inspect.signature(door).parameters
+        assert list(parameters) == [*_own(door), *shared], door  # no **kwargs: help(), IDEs and YAML see each one
+        for name in shared:
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert parameters[name].annotation == typing.get_type_hints(resolve)[name], (door, name)
+            assert not isinstance(parameters[name].annotation, str)  # evaluated: jsonargparse reads it as is
+    text = pydoc.render_doc(GaudiFSDPStrategy)
+    assert "sharding_strategy: str | torch.distributed.fsdp." in text
+    assert "ShardingStrategy = 'FULL_SHARD'" in text
+    assert "state_dict_type: str = 'sharded'" in text
     with pytest.raises(TypeError, match=r"GaudiFSDPStrategy got unexpected keyword argument\(s\) \['shard'\]"):
         GaudiFSDPStrategy(shard="FULL")
+    with pytest.raises(TypeError, match=r"GaudiFSDPStrategy got unexpected keyword argument\(s\) \['shard'\]"):
+        TrainerStrategy(shard="FULL")
     assert GaudiFSDPStrategy()._background is None
     saver = GaudiFSDPStrategy(async_save=True, timeout=30)._background
     assert saver is not None
     assert saver.active  # every fabric.save goes to the background (no fit to wait for)
+
+
+def _effective(strategy: object, name: str) -> object:
+    """What a strategy does with argument ``name`` when it is not given (Lightning's attributes, on both doors)."""
+    kwargs = strategy.kwargs if hasattr(strategy, "kwargs") else strategy._fsdp_kwargs
+    attribute = {
+        "process_group_backend": "_process_group_backend",
+        "timeout": "_timeout",
+        "state_dict_type": "_state_dict_type",
+        "activation_checkpointing_policy": "_activation_checkpointing_kwargs",
+    }.get(name)
+    if name == "device_mesh":  # Lightning keeps it with the FSDP arguments; the package builds it on its device
+        return getattr(strategy, "_device_mesh", kwargs.get("device_mesh"))
+    if attribute is not None:
+        return getattr(strategy, attribute)
+    if name in ("cpu_offload", "mixed_precision", "sharding_strategy"):
+        return getattr(strategy, name)
+    return kwargs.get(name, inspect.signature(FSDP).parameters[name].default)  # passed on to FSDP as given
+
+
+@pytest.mark.parametrize("door", [TrainerStrategy, GaudiFSDPStrategy], ids=["trainer", "fabric"])
+def test_defaults_are_those_of_lightnings_fsdp_strategy_for_the_same_door(door):
+    from lightning.fabric.strategies import FSDPStrategy as LightningFabric
+    from lightning.pytorch.strategies import FSDPStrategy as LightningTrainer
+
+    lightning_door = LightningTrainer if door is TrainerStrategy else LightningFabric
+    named = [n for n, p in inspect.signature(lightning_door).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    fsdp = [n for n in inspect.signature(FSDP).parameters if n not in ("self", "module", "device_id")]
+    ours = inspect.signature(door).parameters
+    shared = [n for n in dict.fromkeys(named + fsdp) if n in ours and n not in _own(door)]
+    assert len(shared) >= 15  # Lightning's named arguments and those it passes on to FSDP
+    mine, theirs = door(), lightning_door()
+    differ = {n: (_effective(mine, n), _effective(theirs, n)) for n in shared}
+    assert {n: pair for n, pair in differ.items() if pair[0] != pair[1]} == {}
+    assert mine._state_dict_type == ("full" if door is TrainerStrategy else "sharded")
+
+
+def test_fabric_arguments_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()  # what LightningCLI (or a script's own jsonargparse config) builds
+    parser.add_class_arguments(GaudiFSDPStrategy, "strategy")
+    config = parser.parse_string("strategy:\n  state_dict_type: full\n  sharding_strategy: SHARD_GRAD_OP\n")
+    assert config.strategy.fsdp_version == 1  # the definition's defaults, read from the signature
+    strategy = GaudiFSDPStrategy(**config.strategy.as_dict())
+    assert strategy._state_dict_type == "full"
+    assert strategy.sharding_strategy.name == "SHARD_GRAD_OP"
+    assert parser.get_defaults().strategy.state_dict_type == "sharded"
+
+
+def test_the_engine_is_selected_once_per_strategy(monkeypatch):
+    from lightning_gaudi_fsdp.engine import base
+
+    chosen = []
+    select = base.select
+    monkeypatch.setattr(base, "select", lambda version: chosen.append(version) or select(version))
+    for door in (TrainerStrategy, GaudiFSDPStrategy):
+        chosen.clear()
+        strategy = door()
+        assert len(chosen) == 1, door
+        assert strategy._engine is strategy._config.engine
 
 
 BAD = [
@@ -95,8 +171,7 @@ def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_g
     fabric = L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(eager_pipeline=False))
     strategy = fabric.strategy
     assert strategy._get_process_group_backend() == "hccl"
-    torch.hpu.set_device(1)
-    assert strategy.root_device == torch.device("hpu", 1)
+    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
     assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # set by the launcher configuration, before any process
     assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
     strategy.precision.set_device_type(strategy.root_device.type)

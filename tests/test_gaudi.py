@@ -60,8 +60,7 @@ def test_probe_devices_and_version(fake_gaudi, monkeypatch):
     assert gaudi.is_available() is True
     assert gaudi.device_count() == 4
     assert gaudi.bridge_version() == "1.21.0-fake"
-    torch.hpu.set_device(3)
-    assert gaudi.current_device() == torch.device("hpu", 3)
+    assert gaudi.current_device() == torch.device("hpu", 0)  # each process's own device, whichever it acquired
 
 
 def test_lazy_mode_is_refused_with_the_fix(fake_gaudi, monkeypatch):
@@ -87,6 +86,13 @@ def test_import_hccl_registers_the_backend(fake_gaudi):
     gaudi.import_hccl()
     assert ("hccl_imported",) in fake_gaudi()
     assert "hccl" in dist.Backend.backend_list
+
+
+def test_the_double_binds_a_process_group_to_hpu_0_only(fake_gaudi):
+    gaudi.import_hccl()
+    with pytest.raises(ValueError, match=r"device_id=device\(type='hpu', index=1\)\): the fake Gaudi bridge"):
+        dist.init_process_group("hccl", device_id=torch.device("hpu", 1), rank=0, world_size=1, store=dist.HashStore())
+    assert not dist.is_initialized()
 
 
 def test_checkpoints_stage_into_pinned_host_memory_only_on_gaudi(fake_gaudi, monkeypatch):
@@ -132,9 +138,31 @@ def test_hpu_trainer_uses_hccl_and_the_bridge_device(fake_gaudi, monkeypatch):
     trainer = _hpu_trainer(GaudiFSDPStrategy())
     strategy = trainer.strategy
     assert strategy._get_process_group_backend() == "hccl"
-    torch.hpu.set_device(1)
-    assert strategy.root_device == torch.device("hpu", 1)
-    assert strategy._fsdp_device() == torch.device("hpu", 1)  # always a device, never an index
+    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
+    assert strategy._fsdp_device() == torch.device("hpu", 0)  # always a device, never an index
+    with pytest.raises(RuntimeError, match="index based device selection is not supported on HPU"):
+        torch.hpu.set_device(1)  # the double refuses what the bridge refuses
+
+
+@pytest.mark.parametrize("door", ["trainer", "fabric"])
+@pytest.mark.parametrize("device_id", [1, "hpu:3", torch.device("hpu", 1), "cpu"])
+def test_a_device_id_other_than_hpu_0_is_refused_on_gaudi_before_any_process(fake_gaudi, monkeypatch, door, device_id):
+    from lightning_gaudi_fsdp import fabric
+
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    expected = (
+        rf"device_id={re.escape(repr(device_id))} is not supported on Gaudi: each process addresses the device the "
+        r"bridge gave it as hpu:0 \(index based device selection is not supported on HPU\); expected None, 0, 'hpu', "
+        r"'hpu:0' or torch.device\('hpu', 0\)"
+    )
+    if door == "trainer":
+        build = lambda: _hpu_trainer(GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
+    else:
+        build = lambda: L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
+    with pytest.raises(ValueError, match=expected):
+        build()
+    for accepted in (None, 0, "hpu", "hpu:0", torch.device("hpu", 0)):
+        assert _hpu_trainer(GaudiFSDPStrategy(device_id=accepted)).strategy._fsdp_device() == torch.device("hpu", 0)
 
 
 def test_hpu_with_gloo_is_refused_when_the_trainer_is_built(fake_gaudi, monkeypatch):
@@ -213,6 +241,14 @@ PAIRING_FIX = (
             "CI: representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)",
             None,
             id="tested-pairing",
+        ),
+        pytest.param(
+            "2.11.0",
+            "2.6.6",
+            "[ok  ] torch + Lightning  Gaudi software 1.24.1's torch; "
+            "CI: representative suite (torch 2.11.0 + Lightning 2.6.6)",
+            None,
+            id="gaudi-1.24",
         ),
         pytest.param(
             "2.5.1",
@@ -385,3 +421,20 @@ def test_shards_offloaded_to_host_memory_are_gathered_by_torch_on_hccl(tmp_path)
     if "fsdp2_gathers_itself" in seen["gloo"]:
         assert seen["gloo"]["fsdp2_gathers_itself"] is True
         assert seen["hccl"]["fsdp2_gathers_itself"] is False
+
+
+def test_on_a_bound_hccl_group_background_saves_and_module_sync_work_as_on_gaudi(scenario):
+    """Two ranks on the double, its default group bound to ``hpu:0`` as Lightning binds it and its ``hccl`` carrying
+    ``hpu`` tensors only, as Intel's: the background saver's group forms and gathers (torch's ``new_group`` would
+    inherit the binding and ask gloo for an ``hpu`` backend), and ``sync_module_states`` gives every rank rank 0's
+    weights (a broadcast of host tensors over ``hccl`` fails on Gaudi)."""
+    run = scenario({"devices": 2}, script="gaudi_bound.py")  # ranks started as torchrun would (no relaunch)
+    for rank in (0, 1):
+        info = run.rank(rank)
+        assert (info["backend"], info["bound"]) == ("hccl", "hpu:0")
+        assert "No backend type associated with device type cpu" in info["cpu_over_hccl"]  # the double is strict
+        assert info["background_error"] is None
+        assert info["background_gather"] == [0, 1]
+        assert info["broadcast_error"] is None
+        assert info["after_sync"] == run.rank(0)["before_sync"]
+    assert run.rank(1)["before_sync"] != run.rank(0)["before_sync"]

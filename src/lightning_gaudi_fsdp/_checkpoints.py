@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_gaudi_fsdp import _report, gaudi, options
+from lightning_gaudi_fsdp import _report, gaudi
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats, loading, space, storage, streaming
@@ -48,9 +48,9 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     return formats.local_metadata(layout, model, door.sharding_strategy.name, _report.versions(), optimizers)
 
 
-def background_saver(async_save: Any, timeout: timedelta | None) -> BackgroundSaver | None:
+def background_saver(async_save: bool, timeout: timedelta | None) -> BackgroundSaver | None:
     """``async_save``: the saver both doors hand their checkpoints to (``timeout``: of its process group), or None."""
-    return BackgroundSaver(timeout) if options.resolve_bool(async_save, "async_save") else None
+    return BackgroundSaver(timeout) if async_save else None
 
 
 def full_stream(door: Any) -> FullStream | None:

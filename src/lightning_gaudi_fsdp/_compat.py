@@ -1,9 +1,9 @@
 """What differs between the torch and Lightning versions the package supports, in one place.
 
 Intel's Gaudi containers pin torch (Gaudi software 1.21 = torch 2.6 with Lightning 2.5.1, 1.22 = torch 2.7,
-1.23 = torch 2.9), so the package runs on torch >= 2.6 and keeps every version branch here, as Lightning keeps its
-``_TORCH_GREATER_EQUAL_*`` flags. Other modules ask these flags and helpers; none of them catches a ``TypeError`` to
-find out which torch it is on.
+1.23 = torch 2.9, 1.24.0 = torch 2.10, 1.24.1 = torch 2.11), so the package runs on torch >= 2.6 and keeps every
+version branch here, as Lightning keeps its ``_TORCH_GREATER_EQUAL_*`` flags. Other modules ask these flags and
+helpers; none of them catches a ``TypeError`` to find out which torch it is on.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ SUPPORTED_PAIRINGS: tuple[tuple[str, str | None, str | None, str], ...] = (
     ("2.6", "2.5.1", "1.21", "representative suite (torch 2.6.0 + Lightning 2.5.1 + transformers 4.57)"),
     ("2.7", None, "1.22", "not run (between the tested 2.6 and 2.9)"),
     ("2.9", "2.5.1", "1.23", "representative suite, FSDP2 included (torch 2.9.1 + Lightning 2.5.1)"),
+    ("2.10", None, "1.24.0", "not run (between the tested 2.9 and 2.11)"),
+    ("2.11", "2.6.6", "1.24.1", "representative suite (torch 2.11.0 + Lightning 2.6.6)"),
     ("2.13", "2.6.6", None, "full suite (torch 2.13.0 + Lightning 2.6.6 + transformers 5)"),
 )
 LIGHTNING_RANGE = (">=2.5.1", "<2.7")

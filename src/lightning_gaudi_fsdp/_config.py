@@ -1,25 +1,40 @@
-"""The strategies' arguments, checked once: :func:`resolve` turns what a user passes to either front door (the
-Trainer's ``strategy.GaudiFSDPStrategy`` or Fabric's ``fabric.GaudiFSDPStrategy``) into one frozen :class:`Resolved`,
-before any process starts; :func:`adopt` keeps it on the door (``door._config``) after Lightning's ``__init__``.
+"""The strategies' arguments, defined and checked once: :func:`resolve`'s signature is the one definition of every
+argument both front doors take (the Trainer's ``strategy.GaudiFSDPStrategy`` and Fabric's
+``fabric.GaudiFSDPStrategy``): its names, types and defaults. :func:`takes_arguments` gives each door's ``__init__``
+that signature (after the door's own Lightning plugins), so ``help()``, IDEs, the API reference and LightningCLI see
+each argument; a door may change a default (Fabric's ``state_dict_type``, as Lightning's own two doors differ).
+:func:`resolve` turns the values into one frozen :class:`Resolved` before any process starts; :func:`adopt` keeps it
+on the door (``door._config``) after Lightning's ``__init__``.
 
-Adding an argument: its parameter and docstring line in both doors' signatures (the Trainer's spells it out for
-LightningCLI; ``tests/test_fabric.py`` keeps Fabric's equal), its parameter here in :func:`resolve` with its
-:class:`Resolved` field and the ``options.resolve_*`` call that checks it, and the code that reads
-``door._config.<field>``. Nothing else copies it."""
+Adding an argument: its parameter here in :func:`resolve` (typed, with its default), its docstring line under the
+Trainer door's ``Arguments:``, its :class:`Resolved` field and the ``options.resolve_*`` call that checks it, and the
+code that reads ``door._config.<field>``. Nothing else copies it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from collections.abc import Mapping
+import typing
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _preemption, _rendezvous, module_options, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import base as engine
+
+# The spellings each argument accepts (evaluated at run time: LightningCLI reads them from the doors' signatures).
+WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
+CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +46,7 @@ class Resolved:
     device_mesh: Any
     state_dict_type: str
     fsdp_version: int
+    engine: engine.Engine  # chosen once, from fsdp_version
     mp_policy: Any
     ignored_modules: Any
     ignored_states: Any
@@ -46,44 +62,46 @@ class Resolved:
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
     preemption: str  # "save" or "exit"
     preemption_grace: float  # seconds from a SIGTERM until every rank has left
+    async_save: bool
 
 
 def resolve(
     *,
     process_group_backend: str | None = None,
     timeout: timedelta | float | None = default_pg_timeout,
-    sharding_strategy: Any = "FULL_SHARD",
+    sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
     process_group: Any = None,
-    device_mesh: Any = None,
-    cpu_offload: Any = False,
-    auto_wrap_policy: Any = None,
-    backward_prefetch: Any = "BACKWARD_PRE",
-    mixed_precision: Any = None,
-    ignored_modules: Any = None,
-    ignored_states: Any = None,
-    param_init_fn: Any = None,
-    device_id: Any = None,
-    sync_module_states: Any = False,
-    forward_prefetch: Any = False,
-    limit_all_gathers: Any = True,
-    use_orig_params: Any = True,
-    state_dict_type: Any = "full",
-    activation_checkpointing_policy: Any = None,
-    compile: Any = False,
-    eager_pipeline: Any = None,
-    fsdp_version: Any = 1,
-    check_free_space: Any = None,
-    checkpoint_crc32: Any = False,
-    pretrained_weights: Any = None,
-    pretrained_prefix: Any = "",
-    failure_timeout: Any = None,
-    stuck_timeout: Any = None,
-    preemption: Any = "save",
-    preemption_grace: Any = _preemption.DEFAULT_GRACE_S,
+    device_mesh: tuple[int, int] | list[int] | DeviceMesh | None = None,
+    cpu_offload: bool | CPUOffload = False,
+    auto_wrap_policy: WrapPolicyInput = None,
+    backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
+    mixed_precision: dict[str, Any] | MixedPrecision | None = None,
+    ignored_modules: list[str] | list[Module] | None = None,
+    ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
+    param_init_fn: str | Callable[[Module], None] | None = None,
+    device_id: int | str | torch.device | None = None,
+    sync_module_states: bool = False,
+    forward_prefetch: bool = False,
+    limit_all_gathers: bool = True,
+    use_orig_params: bool = True,
+    state_dict_type: str = "full",
+    activation_checkpointing_policy: CheckpointPolicyInput = None,
+    compile: bool | dict[str, Any] = False,
+    eager_pipeline: bool | None = None,
+    fsdp_version: int = 1,
+    check_free_space: bool | None = None,
+    checkpoint_crc32: bool = False,
+    pretrained_weights: str | None = None,
+    pretrained_prefix: str = "",
+    failure_timeout: float | None = None,
+    stuck_timeout: float | None = None,
+    preemption: str = "save",
+    preemption_grace: float = _preemption.DEFAULT_GRACE_S,
+    async_save: bool = False,
 ) -> Resolved:
-    """Check and convert the arguments both strategies take (same checks, same messages, before any process). The
-    defaults here are those of both strategies (the Trainer's spells them out again in its signature, which
-    LightningCLI reads; a test keeps the two equal)."""
+    """Check and convert the arguments both strategies take (same checks, same messages, before any process). This
+    signature is theirs (see :func:`takes_arguments`); the types say what a user may pass, each value is checked
+    here whatever its type."""
     sharding = options.resolve_sharding_strategy(sharding_strategy)
     wrap_policy = module_options.resolve_auto_wrap_policy(auto_wrap_policy)
     mesh = options.resolve_device_mesh(device_mesh)
@@ -142,6 +160,7 @@ def resolve(
         device_mesh=mesh,
         state_dict_type=state_dict_type,
         fsdp_version=version,
+        engine=chosen,
         mp_policy=mp_policy,
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
@@ -161,22 +180,46 @@ def resolve(
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
         preemption=options.resolve_preemption(preemption),
         preemption_grace=options.resolve_preemption_grace(preemption_grace),
+        async_save=options.resolve_bool(async_save, "async_save"),
     )
 
 
-def resolve_from(arguments: Mapping[str, Any]) -> Resolved:
-    """:func:`resolve` with the arguments of a strategy's ``__init__`` (its ``locals()``)."""
-    return resolve(**{name: arguments[name] for name in inspect.signature(resolve).parameters})
+def takes_arguments(**door_defaults: Any) -> Callable[[_Init], _Init]:
+    """Give a door's ``__init__(self, <its Lightning plugins>, **arguments)`` the signature ``help()``, IDEs, the API
+    reference and LightningCLI read: its own parameters, then every parameter of :func:`resolve`, keyword-only, typed,
+    with the door's defaults (``door_defaults`` replaces some). The ``__init__`` receives every argument in
+    ``arguments``, with those defaults filled in; an unknown name is a ``TypeError`` naming the door."""
+    unknown_defaults = set(door_defaults) - set(_SIGNATURE.parameters)
+    if unknown_defaults:
+        raise TypeError(f"takes_arguments: {sorted(unknown_defaults)} are not arguments of resolve()")
 
+    def decorate(init: _Init) -> _Init:
+        own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        own_hints = typing.get_type_hints(init)
+        own = [p.replace(annotation=own_hints.get(p.name, p.annotation)) for p in own]
+        shared = [
+            p.replace(kind=p.KEYWORD_ONLY, default=door_defaults.get(p.name, p.default), annotation=_HINTS[p.name])
+            for p in _SIGNATURE.parameters.values()
+        ]
+        signature = inspect.Signature([*own, *shared], return_annotation=None)
 
-def resolve_keywords(door: str, arguments: Mapping[str, Any]) -> Resolved:
-    """:func:`resolve` with keyword arguments a strategy passes on as given; an unknown name is a ``TypeError``
-    naming ``door``."""
-    known = inspect.signature(resolve).parameters
-    unknown = sorted(set(arguments) - set(known))
-    if unknown:
-        raise TypeError(f"{door} got unexpected keyword argument(s) {unknown}; it takes {sorted(known)}")
-    return resolve(**arguments)
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            unknown = sorted(name for name in kwargs if name not in signature.parameters)
+            if unknown:
+                takes = sorted(name for name in signature.parameters if name != "self")
+                raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}; it takes {takes}")
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            init(**bound.arguments)  # the door's own parameters by name, the shared ones into its **arguments
+
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
+        __init__.__annotations__ = {p.name: p.annotation for p in signature.parameters.values() if p.name != "self"}
+        __init__.__annotations__["return"] = None
+        del __init__.__wrapped__  # type: ignore[attr-defined]  # inspect and jsonargparse read __signature__
+        return __init__  # type: ignore[return-value]
+
+    return decorate
 
 
 def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
@@ -188,7 +231,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     # Kept apart from the kwargs: Lightning would build a tuple mesh on "cuda"; it is built on our device.
     kwargs.pop("device_mesh", None)
     door._config = resolved
-    door._engine = engine.select(resolved.fsdp_version)  # chosen once; the door asks it for what differs
+    door._engine = resolved.engine  # the door asks it for what differs
     door._device_mesh = resolved.device_mesh  # replaced by the mesh built once the process group exists
     door._state_dict_type = resolved.state_dict_type
     door._activation_checkpointing_kwargs = resolved.activation_checkpointing_kwargs  # Lightning's hand-wrapped path
@@ -196,3 +239,7 @@ def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
     door._preempt = None  # the SIGTERM watcher while one runs (preemption="save")
+
+
+_SIGNATURE = inspect.signature(resolve)
+_HINTS = typing.get_type_hints(resolve)

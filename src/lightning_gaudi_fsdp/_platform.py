@@ -95,6 +95,21 @@ def process_group_backend(device_type: str, backend: str | None, default: Callab
     return backend
 
 
+def check_hpu_device_id(device_id: Any) -> None:
+    """On Gaudi FSDP runs on the process's own device, which the bridge addresses as ``hpu:0`` (index based device
+    selection is not supported on HPU): ``device_id`` may name only that one."""
+    if device_id is None or device_id == 0 and not isinstance(device_id, bool):
+        return
+    device = torch.device(device_id) if not isinstance(device_id, int) else None
+    if device is not None and device.type == "hpu" and device.index in (None, 0):
+        return
+    raise ValueError(
+        f"device_id={device_id!r} is not supported on Gaudi: each process addresses the device the bridge gave it as "
+        "hpu:0 (index based device selection is not supported on HPU); expected None, 0, 'hpu', 'hpu:0' or "
+        "torch.device('hpu', 0)"
+    )
+
+
 def check_mesh_size(mesh: Any, world_size: int) -> None:
     if isinstance(mesh, tuple) and world_size:
         replicas, shard = mesh
@@ -114,6 +129,7 @@ def before_launch(door: Any) -> None:
         _rendezvous.leave_with_launcher()  # a rank it started (a no-op under torchrun, SLURM...)
     if on_hpu(door):
         door._get_process_group_backend()  # a wrong backend fails before any process starts
+        check_hpu_device_id(door._config.device_id)
         gaudi.ensure_eager_mode()
         gaudi.apply_launch_environment(door._config.eager_pipeline)
 

@@ -14,8 +14,9 @@ from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_gaudi_fsdp import _report, gaudi, module_options
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
-from lightning_gaudi_fsdp.engine.pieces import gather_objects
+from lightning_gaudi_fsdp.engine.pieces import carries_host_tensors, gather_objects
 
 log = logging.getLogger("lightning_gaudi_fsdp")
 
@@ -26,7 +27,10 @@ def fsdp_device(door: Any) -> torch.device:
         return door.root_device
     if isinstance(device_id, int):
         return torch.device(door.root_device.type, device_id)
-    return torch.device(device_id)
+    device = torch.device(device_id)
+    if device.index is None and device.type == door.root_device.type:
+        return door.root_device  # "hpu": this rank's own device, with its index
+    return device
 
 
 def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
@@ -138,7 +142,9 @@ def compile_root(door: Any, model: Module) -> None:
 
 
 def broadcast_module_states(module: Module) -> None:
-    """Copy rank 0's parameters and buffers to every rank (what ``sync_module_states`` does on accelerators)."""
+    """Copy rank 0's parameters and buffers, still on the host, to every rank (what ``sync_module_states`` does on
+    accelerators): over the default group where its backend takes CPU tensors (gloo), else over a gloo group made for
+    it (Gaudi's hccl takes ``hpu`` tensors only)."""
     states = [t for t in (*module.parameters(), *module.buffers())]
     if any(t.is_meta for t in states):
         raise ValueError(
@@ -147,9 +153,15 @@ def broadcast_module_states(module: Module) -> None:
         )
     if not torch.distributed.is_initialized():
         return
-    with torch.no_grad():
-        for tensor in states:
-            torch.distributed.broadcast(tensor.data, src=0)
+    # The model is still on the host; Intel's hccl carries hpu tensors only: broadcast over a gloo group there.
+    group = None if carries_host_tensors() else torch_internals.new_host_group()
+    try:
+        with torch.no_grad():
+            for tensor in states:
+                torch.distributed.broadcast(tensor.data, src=0, group=group)
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
 
 
 def clip_grad_norm(engine: Any, root: Module | None, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

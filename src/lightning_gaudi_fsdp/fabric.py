@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
+from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
@@ -34,8 +35,6 @@ from lightning_gaudi_fsdp.engine import pieces
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
 
 if TYPE_CHECKING:
-    from lightning.fabric.accelerators import Accelerator
-
     from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
 
 FABRIC_KEYS = views.FABRIC_KEYS  # which entries of Fabric's `state` went where in the checkpoint
@@ -45,9 +44,12 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     r"""Fully Sharded Data Parallel on Intel Gaudi for Lightning Fabric, rehearsable on CPU processes over gloo.
 
     Takes, as keyword arguments, those of the Trainer's :class:`lightning_gaudi_fsdp.GaudiFSDPStrategy` (see there
-    for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), with the same
-    defaults, resolved and checked by the same code before any process starts; ``precision`` in place of
-    ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``).
+    for each: ``sharding_strategy``, ``auto_wrap_policy``, ``state_dict_type``, ``fsdp_version``...), from the same
+    definition, resolved and checked by the same code before any process starts; ``precision`` in place of
+    ``precision_plugin`` and no ``checkpoint_io`` (FSDP checkpoints do not go through a ``CheckpointIO``). The
+    defaults are the Trainer's but one, as with Lightning's own two FSDP strategies: ``state_dict_type="sharded"``
+    (each rank writes its own shards, as Lightning's Fabric ``FSDPStrategy`` does by default); pass
+    ``state_dict_type="full"`` for one file that ``torch.load(path)["model"]`` reads.
     ``fsdp_version`` picks the engine (1: ``FullyShardedDataParallel``, 2: ``fully_shard``). With
     ``pretrained_weights``, a model built under ``fabric.init_module()`` gets its parameters on the meta device and
     ``setup_module`` fills each rank's shards from the file.
@@ -86,16 +88,18 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     strategy_name = "gaudi_fsdp"
 
+    # Every FSDP argument, keyword-only and typed, from the same definition as the Trainer's strategy
+    # (_config.resolve); Lightning's Fabric FSDPStrategy saves sharded checkpoints by default, and so does this one.
+    @_config.takes_arguments(state_dict_type="sharded")
     def __init__(
         self,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
-        async_save: bool = False,
         **arguments: Any,
     ) -> None:
-        resolved = _config.resolve_keywords(type(self).__name__, arguments)
+        resolved = _config.resolve(**arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -105,7 +109,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         )
         _config.adopt(self, resolved, self._fsdp_kwargs)
         self._backward_sync_control = _NoSync(self._engine)
-        self._background = _checkpoints.background_saver(async_save, self._timeout)
+        self._background = _checkpoints.background_saver(resolved.async_save, self._timeout)
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
         self._waits_at_exit = False

@@ -5,22 +5,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.nn import Module, Parameter
+from torch.distributed.fsdp import CPUOffload
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -41,12 +38,7 @@ from lightning_gaudi_fsdp.engine import fsdp1
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
     from lightning_gaudi_fsdp.adapters.lightning_internals import PATH as _PATH
-
-_WrapPolicyInput = int | str | list[str] | set[type[Module]] | list[type[Module]] | ModuleWrapPolicy | Callable | None
-_CheckpointPolicyInput = str | list[str] | set[type[Module]] | list[type[Module]] | Callable | None
 
 
 class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
@@ -75,7 +67,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         ignored_states: parameters or modules (objects or names) that FSDP does not manage.
         param_init_fn: called on each module still on the meta device to materialise it (a callable or its
             dotted path). Without it, FSDP calls ``reset_parameters()`` of each meta module.
-        device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``.
+        device_id: the device FSDP runs on; default the rank's own device. Always passed as a ``torch.device``. On
+            Gaudi each process addresses its own device as ``hpu:0`` (the bridge selects no device by index): only
+            ``None``, ``0``, ``"hpu"``, ``"hpu:0"`` are accepted there, anything else is refused before any process.
         sync_module_states: broadcast rank 0's parameters and buffers at wrap time.
         forward_prefetch: prefetch the next all-gather during the forward pass.
         limit_all_gathers: rate-limit all-gathers to bound device memory (default ``True``).
@@ -148,6 +142,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     strategy_name = "gaudi_fsdp"
 
+    @_config.takes_arguments()  # every FSDP argument: keyword-only, typed, defaults as in _config.resolve
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -155,39 +150,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = default_pg_timeout,
-        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
-        process_group: Any = None,
-        device_mesh: tuple[int, int] | list[int] | DeviceMesh | None = None,
-        cpu_offload: bool | CPUOffload = False,
-        auto_wrap_policy: _WrapPolicyInput = None,
-        backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
-        mixed_precision: dict[str, Any] | MixedPrecision | None = None,
-        ignored_modules: list[str] | list[Module] | None = None,
-        ignored_states: list[str] | list[Module] | list[Parameter] | None = None,
-        param_init_fn: str | Callable[[Module], None] | None = None,
-        device_id: int | str | torch.device | None = None,
-        sync_module_states: bool = False,
-        forward_prefetch: bool = False,
-        limit_all_gathers: bool = True,
-        use_orig_params: bool = True,
-        state_dict_type: str = "full",
-        activation_checkpointing_policy: _CheckpointPolicyInput = None,
-        compile: bool | dict[str, Any] = False,
-        eager_pipeline: bool | None = None,
-        fsdp_version: int = 1,
-        check_free_space: bool | None = None,
-        checkpoint_crc32: bool = False,
-        pretrained_weights: str | None = None,
-        pretrained_prefix: str = "",
-        failure_timeout: float | None = None,
-        stuck_timeout: float | None = None,
-        preemption: str = "save",
-        preemption_grace: float = 25.0,
-        async_save: bool = False,
+        **arguments: Any,
     ) -> None:
-        resolved = _config.resolve_from(locals())
+        resolved = _config.resolve(**arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -197,7 +162,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             **resolved.parent,
         )
         _config.adopt(self, resolved, self.kwargs)
-        self._background = _checkpoints.background_saver(async_save, self._timeout)
+        self._background = _checkpoints.background_saver(resolved.async_save, self._timeout)
         self._pending_stream: FullStream | None = None  # the full checkpoint being built, streamed (see below)
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training

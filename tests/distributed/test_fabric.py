@@ -28,8 +28,9 @@ def _strategy(engine: int, fmt: str = "full") -> dict:
 @pytest.mark.parametrize("engine", [1, 2])
 def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, tmp_path, engine):
     """Accumulation under no_backward_sync, clipping by value then by the global norm, AdamW + StepLR: 2 ranks equal
-    a plain model trained on each whole global batch. Engine 1 takes the strategy by its registered name. The full
-    checkpoint saved at the end is in Lightning Fabric's layout: as LitGPT reads one, ``torch.load(path)["model"]``
+    a plain model trained on each whole global batch. Engine 1 takes the strategy by its registered name, with its
+    defaults: the checkpoint saved at the end is sharded, as Lightning's Fabric ``FSDPStrategy`` saves by default.
+    Engine 2 saves a full one, in Lightning Fabric's layout: as LitGPT reads one, ``torch.load(path)["model"]``
     loads strictly into the plain model (here the scenario's ``Module``, standing in for a LitGPT ``GPT``), whose
     outputs equal the trained model's."""
     ckpt = tmp_path / "fabric.ckpt"
@@ -65,7 +66,10 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, tmp_path, 
         assert info["all_reduce_mean"] == 1.5
         assert info["all_gather"] == [0, 1]
         assert info["broadcast"] == {"from": 0}
-    _assert_loads_as_litgpt_does(ckpt, final["weights"])
+    if engine == 1:
+        assert (ckpt / ".metadata").is_file()  # sharded: each rank wrote its own shards
+    else:
+        _assert_loads_as_litgpt_does(ckpt, final["weights"])
 
 
 def _assert_loads_as_litgpt_does(ckpt, trained: dict[str, torch.Tensor]) -> None:

@@ -68,6 +68,21 @@ def test_save_and_resume_each_format_on_hpu(scenario, tmp_path, fmt, cpu_offload
 
 
 @ENGINES
+def test_sync_module_states_gives_every_card_rank_zero_weights(scenario, engine):
+    """The model is still on the host when its states are synchronised; Intel's hccl carries hpu tensors only (FSDP2
+    broadcasts them over a gloo group, FSDP1 on the device)."""
+    run = scenario(
+        {
+            "accelerator": "hpu",
+            "strategy": {"auto_wrap_policy": [BLOCK], "sync_module_states": True, "fsdp_version": engine},
+            "module": {"rank_dependent_init": True},
+            "max_steps": 1,
+        }
+    )
+    assert run.rank(0)["initial_unique_values"] == [0.01]
+
+
+@ENGINES
 def test_compile_uses_hpu_backend(scenario, engine):
     run = scenario(
         {

@@ -3,6 +3,7 @@ HCCL does): what each engine and the strategy send. Each rank writes rank<N>.jso
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from common import Block, Net, load_config, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakes"))
+# The CPU build has no hpu tensors: let this fake hccl carry CPU ones, to see which reduce ops reach HCCL.
+os.environ.setdefault("FAKE_HCCL_DEVICES", "cpu,hpu")
 import habana_frameworks.torch.distributed.hccl  # noqa: E402,F401  (registers the fake backend)
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, _compat  # noqa: E402

@@ -1,7 +1,8 @@
 """torch internals other than FSDP1's flat parameters, read in one place: ``torch.save``'s zip writer (the streaming
 full save), the globals a safe unpickler must allow, distributed-checkpoint (DCP) entry points and planners used
-without a process group, ``ShardedTensor``/``DTensor`` construction, ``nn.Module``'s own state-dict parts, the
-activation-checkpointing wrapper, and two dispatcher/autograd probes.
+without a process group, a host group beside a device-bound default group, ``ShardedTensor``/``DTensor``
+construction, ``nn.Module``'s own state-dict parts, the activation-checkpointing wrapper, and two dispatcher/autograd
+probes.
 
 Each function names the fact it gives; ``tests/test_adapters.py`` checks every private name used here.
 """
@@ -15,6 +16,29 @@ from typing import Any
 
 import torch
 from torch.nn import Module
+
+
+# ------------------------------------------------------------------------------------------------- c10d's groups
+def new_host_group(**kwargs: Any) -> Any:
+    """``torch.distributed.new_group(backend="gloo", **kwargs)``: a group for host (CPU) tensors beside a default group
+    bound to an accelerator. Lightning (>= 2.3 on torch >= 2.3) binds the default group to the process's device
+    (``init_process_group(device_id=root_device)``: ``hpu:0`` on Gaudi); torch's ``new_group`` then binds every new
+    group to that device too, refuses any other ``device_id``, and asks the new group's backend for the device
+    (``_new_process_group_helper``: ``pg._get_backend(device_id)``), which gloo does not serve: "No backend type
+    associated with device type hpu" (pytorch#162237 on XPU). The default group is unbound while the group is made
+    (every rank calls this at the same point, before anything else uses the default group concurrently) and bound
+    again after; the gloo group then carries CPU tensors only, as gloo does."""
+    dist = torch.distributed
+    default = dist.group.WORLD
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        return dist.new_group(backend="gloo", **kwargs)
+    default.bound_device_id = None
+    try:
+        return dist.new_group(backend="gloo", **kwargs)
+    finally:
+        default.bound_device_id = bound
+
 
 # ------------------------------------------------------------------------------------------------ c10d's threads
 # The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``) on 2.13 and 2.14;

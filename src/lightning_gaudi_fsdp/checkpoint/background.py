@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed
 
 from lightning_gaudi_fsdp import _compat, _exit
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint import space, storage
 from lightning_gaudi_fsdp.checkpoint.staging import Defer, DeferredCopies, HostStager
 
@@ -213,7 +214,7 @@ class BackgroundSaver:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
-                self._group = dist.new_group(backend="gloo", **kwargs)
+                self._group = torch_internals.new_host_group(**kwargs)  # also beside a group bound to hpu:0
                 _exit.close_at_exit(self.close)
             self._group_made = True
         return self._group

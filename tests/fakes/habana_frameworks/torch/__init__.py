@@ -1,4 +1,7 @@
-"""Fake Habana bridge: loading it adds ``torch.hpu`` (the real bridge loads at ``import torch`` in current releases)."""
+"""Fake Habana bridge: loading it adds ``torch.hpu`` (the real bridge loads at ``import torch`` in current releases).
+
+``torch.hpu.current_device()`` is always 0 and ``set_device`` accepts index 0 only: each process addresses the one
+device it acquired as ``hpu:0``, as with Intel's bridge."""
 
 import os
 import types
@@ -16,9 +19,14 @@ def _device_count() -> int:
     return int(os.environ.get("FAKE_HPU_DEVICES", "8"))
 
 
-def _set_device(index: int) -> None:
+def _set_device(device) -> None:
+    # Each process sees the one device it acquired as index 0 (HABANA_VISIBLE_MODULES picks which); Intel's bridge
+    # does not select devices by index.
+    index = device.index if isinstance(device, torch.device) else device
     record("set_device", index)
-    _current["device"] = index
+    if index not in (None, 0):
+        raise RuntimeError(f"torch.hpu.set_device({device!r}): index based device selection is not supported on HPU")
+    _current["device"] = 0
 
 
 hpu = types.ModuleType("torch.hpu")
