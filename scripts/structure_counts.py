@@ -2,9 +2,9 @@
 
 Each count is a habit the architecture moves away from (see ``docs/architecture.md``):
 
-- ``kwargs_reads_outside_doors``: reads of ``<something>.kwargs`` (Lightning's dict of FSDP arguments) in
-  ``engine/`` or any other module but the two front ends (``strategy.py``, ``fabric.py``): options come from the
-  resolved configuration, not from Lightning's copy.
+- ``kwargs_reads_outside_doors``: reads of ``door.kwargs`` or ``strategy.kwargs`` (Lightning's dict of FSDP
+  arguments) in ``engine/`` or any other module but the two front ends (``strategy.py``, ``fabric.py``): options
+  come from the resolved configuration, not from Lightning's copy.
 - ``engine_module_imports_outside_engine``: imports of ``engine.fsdp1*`` / ``engine.fsdp2*`` outside ``engine/``: a
   caller asks the engine object, chosen once, rather than an engine's module.
 - ``engine_property_branches_in_doors``: ``if`` tests on ``self._engine.<attribute>`` in the front ends: a front end
@@ -32,6 +32,7 @@ CEILINGS = Path(__file__).with_name("structure_ceilings.json")
 DOORS = {"strategy.py", "fabric.py"}
 LIGHTNING_OPTION_ATTRIBUTES = {"_state_dict_type", "_activation_checkpointing_kwargs", "_device_mesh"}
 MAX_LINES = 500
+STRATEGY_NAMES = {"door", "strategy", "self"}  # how modules name the strategy they are handed
 
 
 def _relative(path: Path) -> str:
@@ -77,10 +78,15 @@ def _engine_branches(tree: ast.Module) -> list[int]:
 
 
 def _attribute_reads(tree: ast.Module, names: set[str]) -> list[int]:
+    """Lines reading ``<owner>.<name>`` where the owner is a strategy (``door``, ``strategy``, ``self``)."""
     return [
         node.lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.ctx, ast.Load)
+        if isinstance(node, ast.Attribute)
+        and node.attr in names
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in STRATEGY_NAMES
     ]
 
 
