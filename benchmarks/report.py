@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import operator
 from pathlib import Path
 from typing import Any
@@ -257,34 +259,45 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1, 2, 2]})
+    widths = {"overhead": 1, "memory": 2, "checkpoint": 2, "resume": 1.5}
+    panels = [name for name in widths if name in results]
+    if not panels:
+        return
+    fig, axes_list = plt.subplots(
+        1,
+        len(panels),
+        figsize=(4.5 * sum(widths[n] for n in panels) + 2, 4.8),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [widths[n] for n in panels]},
+    )
+    axes = dict(zip(panels, axes_list[0], strict=True))
     colors = {"fsdp1": "tab:blue", "fsdp2": "tab:orange"}
     if "overhead" in results:
         o = results["overhead"]
         for i, kind in enumerate(("lightning_step_s", "raw_step_s")):
             for j, engine in enumerate(ENGINES):
-                axes[0].bar(
+                axes["overhead"].bar(
                     i + (j - 0.5) * 0.4,
                     o[engine][kind] * 1e3,
                     width=0.4,
                     color=colors[engine],
                     label=engine.upper() if i == 0 else None,
                 )
-        axes[0].set_xticks([0, 1], ["Trainer", "hand-written"])
-        axes[0].set_ylabel("ms per step (median, slowest rank)")
-        axes[0].set_title("Step time")
-        axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.25)  # room for the legend above the bars
-        axes[0].legend(loc="upper center", ncols=2)
+        axes["overhead"].set_xticks([0, 1], ["Trainer", "hand-written"])
+        axes["overhead"].set_ylabel("ms per step (median, slowest rank)")
+        axes["overhead"].set_title("Step time")
+        axes["overhead"].set_ylim(top=axes["overhead"].get_ylim()[1] * 1.25)  # room for the legend above the bars
+        axes["overhead"].legend(loc="upper center", ncols=2)
     if "memory" in results:
         rows = results["memory"]["rows"]
         labels = list(rows["fsdp1"])
         for j, engine in enumerate(ENGINES):
             where = [i + (j - 0.5) * 0.4 for i, key in enumerate(labels) if key in rows[engine]]
             heights = [rows[engine][key]["total"] / 2**20 for key in labels if key in rows[engine]]
-            axes[1].bar(where, heights, width=0.4, color=colors[engine], label=engine.upper())
+            axes["memory"].bar(where, heights, width=0.4, color=colors[engine], label=engine.upper())
         fsdp1 = list(rows["fsdp1"].values())
         limits = [(i, row["total"] / row["ratio_to_limit"]) for i, row in enumerate(fsdp1) if "ratio_to_limit" in row]
-        axes[1].scatter(
+        axes["memory"].scatter(
             [i for i, _ in limits],
             [limit / 2**20 for _, limit in limits],
             marker="_",
@@ -292,21 +305,23 @@ def chart(results: dict[str, Any], path: Path) -> None:
             color="black",
             label="full / N + largest unit",
         )
-        axes[1].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-        axes[1].set_ylabel("MiB held per rank")
-        axes[1].set_title("Memory per rank (params + grads + AdamW); FSDP2 has no NO_SHARD")
-        axes[1].set_ylim(top=axes[1].get_ylim()[1] * 1.25)
-        axes[1].legend(loc="upper center", ncols=3, fontsize=8)
+        axes["memory"].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+        axes["memory"].set_ylabel("MiB held per rank")
+        axes["memory"].set_title("Memory per rank (params + grads + AdamW); FSDP2 has no NO_SHARD")
+        axes["memory"].set_ylim(top=axes["memory"].get_ylim()[1] * 1.25)
+        axes["memory"].legend(loc="upper center", ncols=3, fontsize=8)
     if "checkpoint" in results:
         c = results["checkpoint"]
-        names = ["full", "sharded", "local", "torch_save", "disk"]
+        # torch_save_plain: torch.save without zip CRC32s, as the package writes (in runs that measured it)
+        names = ["full", "sharded", "local", "torch_save", "torch_save_plain", "disk"]
+        names = [n for n in names if any(n in c[e] for e in ENGINES if e in c)]
         engines = [e for e in ENGINES if e in c]
         width = 0.8 / (2 * len(engines))
         for j, engine in enumerate(engines):
             for k, (what, hatch) in enumerate((("save_s", ""), ("load_s", "//"))):
                 offset = (2 * j + k - len(engines) + 0.5) * width
                 present = [i for i, n in enumerate(names) if what in c[engine][n]]
-                axes[2].bar(
+                axes["checkpoint"].bar(
                     [i + offset for i in present],
                     [c[engine][names[i]][what] for i in present],
                     width=width,
@@ -315,9 +330,64 @@ def chart(results: dict[str, Any], path: Path) -> None:
                     edgecolor="white",
                     label=f"{engine.upper()} {what[:4]}",
                 )
-        axes[2].set_xticks(range(len(names)), names)
-        axes[2].set_ylabel("seconds")
-        axes[2].set_title("Checkpoint save / load, medians (baselines measured in each engine's run)")
-        axes[2].legend(fontsize=8)
+        axes["checkpoint"].set_xticks(range(len(names)), names)
+        axes["checkpoint"].set_ylabel("seconds")
+        axes["checkpoint"].set_title("Checkpoint save / load, medians (baselines measured in each engine's run)")
+        axes["checkpoint"].legend(fontsize=8)
+    if "resume" in results:
+        _resume_panel(axes["resume"], results["resume"], colors)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _resume_panel(ax: Any, resume: dict[str, Any], colors: dict[str, str]) -> None:
+    """Seconds a resume adds before the first step, per format and engine, at the largest layer count, beside its
+    baseline (``torch.load`` of the rank's share; for ``full``, ``torch.load`` on rank 0 plus a scatter)."""
+    layers = str(max(int(n) for n in resume["layers"]))
+    formats = list(RESUME_FORMATS)
+    engines = [e for e in ENGINES if e in resume and layers in resume[e]]
+    width = 0.8 / (2 * max(len(engines), 1))
+    for j, engine in enumerate(engines):
+        rows = resume[engine][layers]
+        for k, (what, hatch, label) in enumerate((("added_s", "", "resume"), ("torch_load_s", "//", "baseline"))):
+            offset = (2 * j + k - len(engines) + 0.5) * width
+            present = [i for i, f in enumerate(formats) if what in rows.get(f, {})]
+            ax.bar(
+                [i + offset for i in present],
+                [rows[formats[i]][what] for i in present],
+                width=width,
+                color=colors[engine],
+                hatch=hatch,
+                edgecolor="white",
+                label=f"{engine.upper()} {label}",
+            )
+    ax.set_xticks(range(len(formats)), formats)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Resume at {layers} layers vs torch.load (full: + scatter)")
+    ax.legend(fontsize=8)
+
+
+def merge_results(paths: list[Path]) -> dict[str, Any]:
+    """The sections of several result files of ``run.py``, later files first: the chart of runs made with ``--only``.
+    A file holding one section's results alone (``overhead-quiet.json``) counts as the ``overhead`` section."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        merged.update(
+            {"overhead": data} if "schema" not in data and "lightning_step_s" in data.get("fsdp1", {}) else data
+        )
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Draw the chart of saved benchmark results (run.py draws latest.png).")
+    parser.add_argument("out", type=Path, help="the PNG to write")
+    parser.add_argument("results", type=Path, nargs="+", help="JSON files written by run.py; later ones win")
+    parser.add_argument("--sections", nargs="+", help="draw only these (overhead, memory, checkpoint, resume)")
+    args = parser.parse_args(argv)
+    results = merge_results(args.results)
+    chart({k: v for k, v in results.items() if args.sections is None or k in args.sections}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -83,7 +83,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             fabric.save(path, state)  # commits (a background save too), then every rank leaves with exit code 75
 
     A SIGTERM before the first read (setup) ends every rank at once (nothing to save), and every rank leaves within
-    ``preemption_grace`` seconds whatever happens (README: "Preemption").
+    ``preemption_grace`` seconds whatever happens (docs/launching.md, "Preemption").
     """
 
     strategy_name = "gaudi_fsdp"

@@ -81,8 +81,10 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             each tensor as it arrives instead of gathering the whole state first, unless an ``on_save_checkpoint``
             hook (LightningModule, datamodule, callback, precision plugin) reads the checkpoint before it is written.
         activation_checkpointing_policy: module classes, dotted class paths or a ``(module) -> bool`` callable.
-        compile: ``True`` or a dict of ``torch.compile`` arguments compiles each FSDP unit
-            (``hpu_backend`` on Gaudi, ``aot_eager`` on CPU unless ``backend`` is given).
+        compile: ``True`` or a dict of ``torch.compile`` arguments compiles the wrapped root module in place once it
+            is sharded (``nn.Module.compile``: dynamo traces through every FSDP unit's hooks; needs
+            ``use_orig_params=True`` on FSDP1); ``hpu_backend`` on Gaudi, ``aot_eager`` on CPU unless ``backend`` is
+            given.
         eager_pipeline: sets ``PT_HPU_EAGER_PIPELINE_ENABLE`` for launched processes; ``False`` is Intel's
             documented switch for FSDP stability problems. ``None`` leaves the environment alone.
         process_group_backend: default ``"hccl"`` on Gaudi and ``"gloo"`` on CPU; only ``"hccl"`` works on Gaudi.
@@ -115,8 +117,8 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             ``save_last``, else ``<default_root_dir>/checkpoints/last.ckpt``; an asynchronous save in flight is
             finished first), and leaves with exit code 75, each rank printing one line with the signal, the step and
             the path. Before training starts (setup, sanity check, restore) there is nothing to save and every rank
-            leaves at once with the same code. ``"exit"``: Lightning's own handling (no checkpoint). README:
-            "Preemption".
+            leaves at once with the same code. ``"exit"``: Lightning's own handling (no checkpoint). See
+            docs/launching.md, "Preemption".
         preemption_grace: seconds (default 25, above 1) from the signal until every rank has left: a save not
             finished one second before it ends is abandoned (nothing partial is visible, the previous ``last.ckpt``
             stays) and every rank leaves, saying so. Keep it below the launcher's kill delay (Kubernetes'
