@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDP
 
-from lightning_gaudi_fsdp import _config, fabric, strategy
+from lightning_gaudi_fsdp import fabric, strategy
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference-arguments.md"
 
@@ -44,27 +43,15 @@ def _named_parameters(cls: type) -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.name != "self" and p.kind is not p.VAR_KEYWORD}
 
 
-def _fabric_defaults() -> dict[str, Any]:
-    """Fabric's constructor names its parameters; while it takes ``**arguments`` instead, they are those of the shared
-    definition (``_config.resolve``), with ``state_dict_type`` defaulting to Lightning Fabric's own default."""
-    named = _named_parameters(fabric.GaudiFSDPStrategy)
-    has_var_keyword = any(
-        p.kind is p.VAR_KEYWORD for p in inspect.signature(fabric.GaudiFSDPStrategy.__init__).parameters.values()
-    )
-    if has_var_keyword:
-        for name, parameter in inspect.signature(_config.resolve).parameters.items():
-            named.setdefault(name, parameter.default)
-        lightning_default = inspect.signature(LightningFabricFSDP.__init__).parameters["state_dict_type"].default
-        named["state_dict_type"] = lightning_default
-    return named
-
-
 DOORS = {
     "trainer": (
         "## Trainer: `lightning_gaudi_fsdp.GaudiFSDPStrategy`",
         lambda: _named_parameters(strategy.GaudiFSDPStrategy),
     ),
-    "fabric": ("## Fabric: `lightning_gaudi_fsdp.fabric.GaudiFSDPStrategy`", _fabric_defaults),
+    "fabric": (
+        "## Fabric: `lightning_gaudi_fsdp.fabric.GaudiFSDPStrategy`",
+        lambda: _named_parameters(fabric.GaudiFSDPStrategy),
+    ),
 }
 
 
