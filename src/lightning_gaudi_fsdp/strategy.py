@@ -275,6 +275,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._resumed_loader_states = None  # a restore for this fit (it follows setup) sets them
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         _report.announce(
