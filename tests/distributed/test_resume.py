@@ -182,23 +182,38 @@ def _trained(run) -> dict[int, dict[int, list[int]]]:
 LATER_SAVES = (2 * STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH + 1)
 
 
-def resumes_in_a_later_epoch(scenario, tmp_path: Path, strategy: dict, saves=LATER_SAVES, defaults=False) -> None:
+def resumes_in_a_later_epoch(
+    scenario, tmp_path: Path, strategy: dict, saves=LATER_SAVES, defaults=False, preempt_after: int | None = None
+) -> None:
     """A run of 3 shuffled epochs through torchdata's ``StatefulDataLoader`` saves at each step of ``saves`` (as
     ModelCheckpoint's ``every_n_train_steps`` would); each resume from one of them trains, from the next step on,
     the samples the uninterrupted run trained there, on each rank, and ends bitwise equal to it. ``defaults``: on
-    Lightning's defaults (its logger, its ModelCheckpoint, the progress bar, validation, ``default_root_dir``)."""
+    Lightning's defaults (its logger, its ModelCheckpoint, the progress bar, validation, ``default_root_dir``).
+    ``preempt_after``: instead, a SIGTERM to rank 1 after that step; the preemption save (``last.ckpt``, a step or two
+    later) is the checkpoint resumed."""
     module = _module(stateful_loader=True, shuffle=True)
     root = tmp_path / "root"
     trainer = {**LIGHTNING_DEFAULTS, "default_root_dir": str(root)} if defaults else {}
-    paths = {str(step): str(tmp_path / f"step{step}.ckpt") for step in saves}
     base = {"strategy": strategy, "module": module, "max_steps": 3 * STEPS_PER_EPOCH, "trainer": trainer}
-    straight = scenario({**base, "save_at_step": list(saves), "save_paths_in_loop": paths})
+    if preempt_after is None:
+        checkpoints = {step: str(tmp_path / f"step{step}.ckpt") for step in saves}
+        paths = {str(step): path for step, path in checkpoints.items()}
+        straight = scenario({**base, "save_at_step": list(saves), "save_paths_in_loop": paths})
+    else:  # Lightning's default ModelCheckpoint without a logger: last.ckpt in <default_root_dir>/checkpoints
+        straight = scenario(base)
+        base["trainer"] = {**trainer, "enable_checkpointing": True, "default_root_dir": str(root)}
+        signal = {"step": preempt_after, "to": "rank1", "delay": 0.02}
+        preempted = scenario({**base, "sigterm": signal}, expect_ok=False)
+        assert preempted.proc.returncode == 75, preempted.proc.stderr[-6000:]
+        ckpt = root / "checkpoints" / "last.ckpt"
+        checkpoints = {describe(ckpt)["global_step"]: str(ckpt)}
+        assert preempt_after < min(checkpoints) < 3 * STEPS_PER_EPOCH, checkpoints
     order = _trained(straight)
     assert sorted(order[0]) == list(range(1, 3 * STEPS_PER_EPOCH + 1))
     epochs = [[order[0][1 + e * STEPS_PER_EPOCH + i] for i in range(STEPS_PER_EPOCH)] for e in range(3)]
     assert epochs[0] != epochs[1] != epochs[2], epochs  # shuffled: each epoch has its own order
-    for step in saves:
-        resumed = scenario({**base, "ckpt_path": paths[str(step)]})
+    for step, path in checkpoints.items():
+        resumed = scenario({**base, "ckpt_path": path})
         trained = _trained(resumed)
         for rank in (0, 1):
             first = min(trained[rank])
@@ -232,6 +247,15 @@ def test_mid_epoch_resume_in_a_later_epoch_equals_uninterrupted_run(scenario, tm
     saved after an epoch's last batch starts the next epoch instead of skipping it (see ``resume_train_loaders``)."""
     strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine}
     resumes_in_a_later_epoch(scenario, tmp_path, strategy, defaults=(fmt, engine) == ("sharded", 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "engine"), [("sharded", 2), ("local", 1)])
+def test_preempted_in_a_later_epoch_resumes_exactly(scenario, tmp_path, fmt, engine):
+    """The same with the preemption save: a SIGTERM to rank 1 after step 8 (the second epoch's last), saved a step or
+    two later, in the third epoch."""
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "preemption_grace": 20}
+    resumes_in_a_later_epoch(scenario, tmp_path, strategy, preempt_after=2 * STEPS_PER_EPOCH)
 
 
 ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("local", 2)]
