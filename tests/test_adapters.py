@@ -272,3 +272,27 @@ def test_only_the_adapters_import_private_torch_and_lightning_names():
         if found:
             offenders[str(path.relative_to(SRC))] = found
     assert offenders == {}
+
+
+def test_resume_train_loaders_resumes_a_stateful_loader_in_any_epoch():
+    """``scripts/repro_midepoch_resume.py`` (plain Lightning, one process, a shuffled ``DistributedSampler`` under
+    torchdata's ``StatefulDataLoader``), resumed with what ``GaudiFSDPStrategy`` does in ``load_checkpoint`` and
+    ``on_train_start``: every resume trains what the uninterrupted run trained, in the first epoch (step 3), in the
+    second (step 11) and from the checkpoint after the first epoch's last batch (step 8)."""
+    import importlib.util
+
+    from lightning.pytorch.callbacks import Callback
+
+    path = Path(__file__).parents[1] / "scripts" / "repro_midepoch_resume.py"
+    spec = importlib.util.spec_from_file_location("repro_midepoch_resume", path)
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+
+    class AsTheStrategyDoes(Callback):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            self.states = lightning_internals.saved_train_loader_states(checkpoint)
+
+        def on_train_start(self, trainer, pl_module):
+            lightning_internals.resume_train_loaders(trainer, self.states)
+
+    assert repro.resumes(callbacks=(AsTheStrategyDoes(),)) == {3: True, 11: True, 8: True}

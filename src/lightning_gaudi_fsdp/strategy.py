@@ -169,6 +169,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
         self._heartbeat: _liveness.Heartbeat | None = None
+        self._resumed_loader_states: list[dict[str, Any]] | None = None  # set by a restore for fit, until it trains
 
     # ------------------------------------------------------------------------------------------- devices, backend
     @override
@@ -256,6 +257,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._resumed_loader_states = None  # a restore for this fit (it follows setup) sets them
         self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         _report.announce(
@@ -384,6 +386,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._resumed_loader_states is not None:  # the resumed epoch's order, and the position saved in it
+            lightning_internals.resume_train_loaders(self.lightning_module.trainer, self._resumed_loader_states)
+            self._resumed_loader_states = None
         _preemption.start_training(self)
         if self._background is not None:
             self._background.active = True  # until teardown, which waits for the last save
@@ -399,12 +404,16 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         if weights_only is None:
             weights_only = lightning_internals.fit_weights_only(self.lightning_module.trainer)
         path = Path(self.broadcast(str(checkpoint_path)))
-        return _checkpoints.load_agreed(
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        checkpoint = _checkpoints.load_agreed(
             self,
             path,
             model,
             self.optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only is not False,
-            load_optimizers=self.lightning_module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers),
+            load_optimizers=fitting and bool(self.optimizers),
         )
+        if fitting:
+            self._resumed_loader_states = lightning_internals.saved_train_loader_states(checkpoint)
+        return checkpoint

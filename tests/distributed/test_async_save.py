@@ -1,11 +1,16 @@
 """async_save=True in 2-rank runs: a failed background write raises on every rank, top-k rotation removes an older
-checkpoint only after the newer one committed. (Exact resume: test_resume.py; a kill mid-write: test_damage.py.)"""
+checkpoint only after the newer one committed, and on Lightning's defaults a run saving in the background resumes in a
+later epoch exactly. (Exact resume: test_resume.py; a kill mid-write: test_damage.py.)
+
+The other scenarios run without Lightning's logger and progress bar (``QUIET_TRAINER``): what they check is on disk
+and in each rank's output, and each launched run would otherwise add a ``lightning_logs/version_N``."""
 
 from __future__ import annotations
 
 import json
 import re
 
+from distributed.test_resume import resumes_in_a_later_epoch
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 
 BLOCK = "common.Block"
@@ -110,3 +115,11 @@ def test_top_k_rotation_removes_the_older_checkpoint_only_after_the_newer_one_co
     assert sorted(p.name for p in dirpath.iterdir()) == [names[-1]]  # the newest, and nothing staged
     assert describe(dirpath / names[-1])["global_step"] == 5
     assert json.loads((run.out / "rank0.json").read_text())["global_step"] == 5
+
+
+def test_on_lightning_defaults_background_saves_resume_in_a_later_epoch_exactly(scenario, tmp_path):
+    """Lightning's logger, ModelCheckpoint (a save at each epoch's end, the older one removed once the newer has
+    committed), progress bar and validation, with every save written in the background: the checkpoint of step 9
+    (the third epoch's first batch) resumes the third epoch where it stopped, bitwise equal to the run that went on."""
+    strategy = _strategy("sharded", fsdp_version=1)
+    resumes_in_a_later_epoch(scenario, tmp_path, strategy, saves=(9,), defaults=True)

@@ -1,4 +1,8 @@
-"""Exact resume: k steps + save + a new process resuming for k more equals 2k steps without stopping."""
+"""Exact resume: k steps + save + a new process resuming for k more equals 2k steps without stopping.
+
+The scenarios run without Lightning's logger, progress bar and default checkpointing (``QUIET_TRAINER``), except
+``test_mid_epoch_resume_in_a_later_epoch_equals_uninterrupted_run``'s default case, which runs on Lightning's defaults.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_gaudi_fsdp.checkpoint.convert import describe
 from lightning_gaudi_fsdp.checkpoint.formats import OPTIMIZER_GROUPS_KEY
+from scenarios.common import LIGHTNING_DEFAULTS
 
 BLOCK = "common.Block"
 STEPS_PER_EPOCH = 4  # 32 samples, 4 per rank, 2 ranks: resuming at an epoch boundary replays no batch
@@ -162,6 +168,94 @@ def test_resume_equals_uninterrupted_run(scenario, tmp_path, uninterrupted, fmt,
         r"\(\d+\.\d (KiB|MiB) on disk, read by 2 rank\(s\)\) in \d+\.\d s: \d+\.\d (KiB|MiB|GiB)/s",
         notes[0],
     ), notes
+
+
+def _trained(run) -> dict[int, dict[int, list[int]]]:
+    """What each rank of a run trained on: rank -> {global step after the batch: the batch's sample indices}."""
+    return {
+        r: {step: idx for step, idx in json.loads((run.out / f"rank{r}.json").read_text())["trained"]} for r in (0, 1)
+    }
+
+
+# Later-epoch resume: 3 shuffled epochs of 4 steps; saved after the last batch of the second epoch (step 8) and after
+# the first batch of the third (step 9), by the run that goes on to the end without stopping.
+LATER_SAVES = (2 * STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH + 1)
+
+
+def resumes_in_a_later_epoch(
+    scenario, tmp_path: Path, strategy: dict, saves=LATER_SAVES, defaults=False, preempt_after: int | None = None
+) -> None:
+    """A run of 3 shuffled epochs through torchdata's ``StatefulDataLoader`` saves at each step of ``saves`` (as
+    ModelCheckpoint's ``every_n_train_steps`` would); each resume from one of them trains, from the next step on,
+    the samples the uninterrupted run trained there, on each rank, and ends bitwise equal to it. ``defaults``: on
+    Lightning's defaults (its logger, its ModelCheckpoint, the progress bar, validation, ``default_root_dir``).
+    ``preempt_after``: instead, a SIGTERM to rank 1 after that step; the preemption save (``last.ckpt``, a step or two
+    later) is the checkpoint resumed."""
+    module = _module(stateful_loader=True, shuffle=True)
+    root = tmp_path / "root"
+    trainer = {**LIGHTNING_DEFAULTS, "default_root_dir": str(root)} if defaults else {}
+    base = {"strategy": strategy, "module": module, "max_steps": 3 * STEPS_PER_EPOCH, "trainer": trainer}
+    if preempt_after is None:
+        checkpoints = {step: str(tmp_path / f"step{step}.ckpt") for step in saves}
+        paths = {str(step): path for step, path in checkpoints.items()}
+        straight = scenario({**base, "save_at_step": list(saves), "save_paths_in_loop": paths})
+    else:  # Lightning's default ModelCheckpoint without a logger: last.ckpt in <default_root_dir>/checkpoints
+        straight = scenario(base)
+        base["trainer"] = {**trainer, "enable_checkpointing": True, "default_root_dir": str(root)}
+        signal = {"step": preempt_after, "to": "rank1", "delay": 0.02}
+        preempted = scenario({**base, "sigterm": signal}, expect_ok=False)
+        assert preempted.proc.returncode == 75, preempted.proc.stderr[-6000:]
+        ckpt = root / "checkpoints" / "last.ckpt"
+        checkpoints = {describe(ckpt)["global_step"]: str(ckpt)}
+        assert preempt_after < min(checkpoints) < 3 * STEPS_PER_EPOCH, checkpoints
+    order = _trained(straight)
+    assert sorted(order[0]) == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    epochs = [[order[0][1 + e * STEPS_PER_EPOCH + i] for i in range(STEPS_PER_EPOCH)] for e in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2], epochs  # shuffled: each epoch has its own order
+    for step, path in checkpoints.items():
+        resumed = scenario({**base, "ckpt_path": path})
+        trained = _trained(resumed)
+        for rank in (0, 1):
+            first = min(trained[rank])
+            assert (first, trained[rank][first]) == (step + 1, order[rank][step + 1]), (step, rank, trained[rank])
+            assert trained[rank] == {s: idx for s, idx in order[rank].items() if s > step}, (step, rank)
+        _assert_same_run(resumed.final(), straight.final())
+        if defaults:  # the resumed run logged into a version of its own, the default progress bar drew its epochs
+            assert "Epoch 2/" in resumed.proc.stdout, resumed.proc.stdout[-2000:]
+    if defaults:
+        logs = root / "lightning_logs"
+        assert sorted(p.name for p in logs.iterdir()) == [f"version_{i}" for i in range(1 + len(saves))]
+        # Lightning's ModelCheckpoint saved at each epoch's end and kept the newest, in the strategy's format
+        (kept,) = (logs / "version_0" / "checkpoints").iterdir()
+        assert kept.name == f"epoch=2-step={3 * STEPS_PER_EPOCH}.ckpt"
+        assert describe(kept)["global_step"] == 3 * STEPS_PER_EPOCH
+        assert describe(kept)["format"] == strategy["state_dict_type"]
+
+
+LATER_EPOCH_CASES = [
+    pytest.param("sharded", 1, id="sharded-fsdp1-lightning-defaults"),
+    pytest.param("local", 1, marks=pytest.mark.slow, id="local-fsdp1"),
+    pytest.param("sharded", 2, marks=[pytest.mark.slow, pytest.mark.fsdp2], id="sharded-fsdp2"),
+    pytest.param("local", 2, marks=[pytest.mark.slow, pytest.mark.fsdp2], id="local-fsdp2"),
+    pytest.param("full", 1, marks=pytest.mark.slow, id="full-fsdp1"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "engine"), LATER_EPOCH_CASES)
+def test_mid_epoch_resume_in_a_later_epoch_equals_uninterrupted_run(scenario, tmp_path, fmt, engine):
+    """The loader's saved position is applied in the resumed epoch's order, not in the first epoch's, and a position
+    saved after an epoch's last batch starts the next epoch instead of skipping it (see ``resume_train_loaders``)."""
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine}
+    resumes_in_a_later_epoch(scenario, tmp_path, strategy, defaults=(fmt, engine) == ("sharded", 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "engine"), [("sharded", 2), ("local", 1)])
+def test_preempted_in_a_later_epoch_resumes_exactly(scenario, tmp_path, fmt, engine):
+    """The same with the preemption save: a SIGTERM to rank 1 after step 8 (the second epoch's last), saved a step or
+    two later, in the third epoch."""
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "preemption_grace": 20}
+    resumes_in_a_later_epoch(scenario, tmp_path, strategy, preempt_after=2 * STEPS_PER_EPOCH)
 
 
 ASYNC_CASES = [("full", 1), ("sharded", 1), ("local", 1), ("sharded", 2), ("local", 2)]

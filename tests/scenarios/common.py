@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 FEATURES = 16
 # What every scenario's Trainer leaves out (no logger, bar, summary, sanity check, validation or Lightning's sampler).
 QUIET_TRAINER: dict[str, Any] = dict(
-    logger=False,
+    logger=False,  # a launched run checks weights, steps and files; each case that needs the logger sets it back
     enable_checkpointing=False,
     enable_progress_bar=False,
     enable_model_summary=False,
@@ -28,6 +29,13 @@ QUIET_TRAINER: dict[str, Any] = dict(
     limit_val_batches=0,
     use_distributed_sampler=False,
 )
+
+# Lightning's own defaults for what QUIET_TRAINER leaves out (``"trainer": LIGHTNING_DEFAULTS`` in a scenario's config
+# runs the Trainer as a plain ``Trainer(strategy=..., default_root_dir=...)``: its logger, a new ``version_N`` per run,
+# its ModelCheckpoint, the progress bar, the sanity check and validation).
+LIGHTNING_DEFAULTS: dict[str, Any] = {
+    name: inspect.signature(L.Trainer.__init__).parameters[name].default for name in QUIET_TRAINER
+}
 
 
 class Block(nn.Module):
@@ -64,6 +72,14 @@ class RandomRegression(Dataset):
         return self.x[i], self.y[i]
 
 
+class IndexedRegression(RandomRegression):
+    """``RandomRegression`` whose items also carry their index, so that a run can say which samples each step trained
+    on."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:  # type: ignore[override]
+        return self.x[i], self.y[i], i
+
+
 class Module(L.LightningModule):
     def __init__(
         self,
@@ -82,6 +98,7 @@ class Module(L.LightningModule):
         manual_clip_norm: float | None = None,
         manual_bypass_root: bool = False,
         stateful_loader: bool = False,
+        shuffle: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -129,7 +146,7 @@ class Module(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._maybe_fail("training_step", batch_idx)
-        x, y = batch
+        x, y = batch[0], batch[1]  # and the samples' indices, from IndexedRegression
         out = self.net(x) if self.hparams.manual_bypass_root else self(x)
         # An fp32 op written outside the model: under "mixed" it must run in low precision.
         probe = x @ x.transpose(0, 1)
@@ -158,13 +175,18 @@ class Module(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         # Lightning's own distributed sampler always shuffles training data; parity with one process on the
-        # global batch needs rank r to see samples r, r + N, ... of each global batch, in order.
-        data = RandomRegression(self.hparams.n_samples)
+        # global batch needs rank r to see samples r, r + N, ... of each global batch, in order (``shuffle``: a new
+        # order each epoch, as users have it, for runs compared with runs of as many ranks).
+        data = IndexedRegression(self.hparams.n_samples)
         sampler = None
         if torch.distributed.is_initialized():
-            sampler = DistributedSampler(data, shuffle=False)
-        loader = ResumableLoader if self.hparams.stateful_loader else DataLoader
-        return loader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
+            sampler = DistributedSampler(data, shuffle=self.hparams.shuffle, seed=3)
+        if not self.hparams.stateful_loader:
+            return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
+        # resumes mid-epoch: Lightning saves its position (state_dict) in checkpoints and gives it back on restore
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(RandomRegression(64, seed=99), batch_size=self.hparams.batch_size)
@@ -182,32 +204,6 @@ class Module(L.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that resumes mid-epoch (the ``state_dict``/``load_state_dict`` Lightning saves in checkpoints, as
-    torchdata's ``StatefulDataLoader`` has; torchdata is not installed here): it counts the batches it handed out in
-    the running epoch, and after ``load_state_dict`` the next epoch's iterator skips that many."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handed_out = 0
-        self._skip = 0
-
-    def __iter__(self) -> Any:
-        skip, self._skip = self._skip, 0
-        self._handed_out = 0
-        for i, batch in enumerate(super().__iter__()):
-            self._handed_out += 1
-            if i >= skip:
-                yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"handed_out": self._handed_out}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        handed_out = state["handed_out"]
-        self._skip = handed_out if 0 < handed_out < len(self) else 0  # at an epoch's end the next starts afresh
 
 
 def load_config() -> dict[str, Any]:

@@ -42,6 +42,7 @@ def fsdp_units(model: torch.nn.Module) -> list[Any]:
 class Probe(Callback):
     def __init__(self, out: Path, cfg: dict[str, Any]) -> None:
         self.out, self.cfg, self.info, self.losses = out, cfg, {}, []
+        self.trained: list[tuple[int, list[int]]] = []  # each step this rank trained: (global step, sample indices)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # runs before configure_model and FSDP wrapping: reset the peak-RSS counter to measure what setup adds
@@ -98,6 +99,7 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.trained.append((trainer.global_step, a[0][2].tolist()))
         _NOW["step"] = trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -111,6 +113,7 @@ class Probe(Callback):
         info["rank"] = trainer.global_rank
         info["world_size"] = trainer.world_size
         info["losses"] = self.losses
+        info["trained"] = self.trained
         info["global_step"] = trainer.global_step
         info["seen_dtypes"] = pl_module.seen_dtypes
         info["configure_optimizers_calls"] = getattr(pl_module, "configure_optimizers_calls", None)

@@ -148,3 +148,37 @@ def chained_sigterm_handlers(handler: Any) -> list[Any] | None:
     if not isinstance(handler, _HandlersCompose):
         return None
     return [h for h in handler.signal_handlers if not isinstance(getattr(h, "__self__", None), _SignalConnector)]
+
+
+def saved_train_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The saved positions of the training dataloaders that have ``state_dict`` (as torchdata's
+    ``StatefulDataLoader``) in a Trainer checkpoint: the fit loop's ``combined_loader`` entry (Lightning >= 2.0);
+    an empty list where there is none."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return list(fit_loop.get("state_dict", {}).get("combined_loader", []))
+
+
+def resume_train_loaders(trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
+    """After a restore, point the training dataloaders at the epoch the fit loop resumes and at the saved position in
+    it; call it between the fit loop's ``reset`` and its first epoch (the ``on_train_start`` hooks run there).
+
+    Lightning's ``FitLoop.setup_data`` applies the saved positions and calls ``iter()`` on the loaders before
+    ``FitLoop.on_advance_start`` sets the samplers' epoch (``_set_sampler_epoch``) and before ``FitLoop.reset`` decides
+    which epoch the run resumes (the next one where the checkpoint followed an epoch's last batch). A loader that draws
+    its sampler's order in ``iter()``, as ``StatefulDataLoader`` does (its ``BatchSampler`` iterator calls
+    ``iter(sampler)`` at once), so replays the order of the sampler's epoch at that time (0 for a new sampler) in
+    whatever epoch the run resumes; and a position saved after an epoch's last batch makes the resumed epoch an empty
+    one, so that the run skips an epoch. Here every sampler gets the resumed epoch first, the saved position is applied
+    only where it lies inside that epoch (the checkpoint did not follow the epoch's last batch), and the loop's data
+    fetcher makes its iterator again, as Lightning does at the start of every later epoch."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    fit_loop = trainer.fit_loop
+    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    if combined is None or fetcher is None:
+        return
+    for loader in combined.flattened:
+        _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+    if states and fit_loop.restarting and not fit_loop.epoch_loop.batch_progress.is_last_batch:
+        combined._load_state_dicts(states)
+    iter(fetcher)
