@@ -351,14 +351,15 @@ class _Receiver:
 
         if not self.sources or self._connected:
             return
-        self._connected = True
         shareable = handle is not None and file is not None and _IN_PLACE and _shares_writes(os.path.realpath(file))
         boot = _boot_id() if shareable else 0
-        path = os.path.abspath(file).encode() if boot else b""
+        path = os.fsencode(os.path.abspath(file)) if boot else b""  # any name the OS takes (undecodable bytes too)
         stat = os.fstat(handle.fileno()) if boot else None
         hello = torch.tensor(
             [boot, stat.st_dev if stat else 0, stat.st_ino if stat else 0, len(path)], dtype=torch.int64
         )
+        # only now: if anything above raised, drain() connects again without a file, and the sources send their pieces
+        self._connected = True
         answers = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(hello, dst=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
         if path:
