@@ -46,9 +46,9 @@ def _no_space(mount: str, needed: int | None, free: int | None) -> str:
 def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
     """Refusals, one per writing rank, for each file system whose free space is less than its ranks will write."""
     failures: list[Failure] = []
-    done: set[tuple[str, int]] = set()
+    done: set[tuple[int | str, int]] = set()
     for plan in plans:
-        key = (plan.target.host, plan.target.device)
+        key = plan.target.file_system
         if key in done:
             continue
         done.add(key)
