@@ -213,7 +213,8 @@ class BackgroundSaver:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
-                self._group = dist.new_group(backend="gloo", **kwargs)
+                with _exit.recording_group_threads():
+                    self._group = dist.new_group(backend="gloo", **kwargs)
                 _exit.close_at_exit(self.close)
             self._group_made = True
         return self._group
