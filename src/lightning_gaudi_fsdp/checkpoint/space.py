@@ -5,8 +5,11 @@ Before anything is written, every rank reports the bytes it is about to write (:
 space of its target file system (:func:`probe`); :func:`.storage.write_atomically` refuses a save that a file system
 cannot hold (:func:`.storage.shortfalls`), and saves without the check, with a warning, where a rank's estimate fails.
 ``check_free_space=False`` on the strategy (or ``convert``), or ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE=0``, turns that
-check off for file systems that report free space wrongly (:func:`check_free_space_enabled`). Nothing here knows
-state-dict formats or how a failed save is reported.
+check off for file systems that report free space wrongly (:func:`check_free_space_enabled`). Ranks write to one file
+system when they read the same :func:`file_system_id` (the running kernel and the device: pods of one node sharing a
+volume, whatever their host names); the streamed full save (:mod:`.streaming`) tells the same way whether another rank
+sees rank 0's file, and where it may write into it (:func:`mount_of`). Nothing here knows state-dict formats or how a
+failed save is reported.
 """
 
 from __future__ import annotations
