@@ -182,22 +182,9 @@ def wait_for_saves(door: Any, waiting: str) -> None:
 
 
 def agreed(door: Any, path: Path, read: Callable[[], T]) -> T:
-    """``read()`` on every rank; if it raised on any rank, every rank raises the same
-    :class:`~.formats.CheckpointError` naming the first rank that failed and its problem (any other exception as
-    ``Type: message``), so that none goes on to a collective alone or waits in this one."""
-    result, error, cause = None, None, None
-    try:
-        result = read()
-    except formats.CheckpointError as err:
-        error, cause = err.problem, err
-    except Exception as err:  # e.g. an OSError while reading: the other ranks must hear of it too
-        error, cause = f"{type(err).__name__}: {err}", err
-    errors = gather_objects(error, door.world_size)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-    if failed:
-        rank, problem = failed[0]
-        raise formats.CheckpointError(path, f"{problem} (reported by rank {rank})") from cause
-    return result  # type: ignore[return-value]
+    """``read()`` on every rank of ``door``; any rank's failure raises the same error on every rank (see
+    :func:`.loading.agreed`)."""
+    return loading.agreed(path, read, door.world_size)
 
 
 def load_agreed(

@@ -21,6 +21,13 @@ a worker the scheduler paused between completing the work and releasing it, whic
 objects, or a completion callback. So, last, while any gloo group existed, the main thread waits with the GIL released
 until every gloo worker sleeps in its idle wait (read from ``/proc``: a futex wait without timeout, twice in a row;
 waiting for the GIL is a timed wait), bounded by :data:`SETTLE_S`.
+
+Which threads are gloo's: those torch names ``pt_gloo_runloop`` (2.13 and later), and the threads that appeared while
+the package created a process group (:func:`recording_group_threads`: the default group, the hybrid mesh, the
+background saver's group), which is all there is to go by where torch leaves them unnamed (2.6, 2.9). Never any other
+thread: an OpenMP pool's threads (which spin while they wait with ``OMP_WAIT_POLICY=active``) or a runtime's thread
+sleeping on a timer never sleep in an idle wait, and taking them for gloo's made every exit wait the whole bound and
+warn.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ _FUTEX, _EVENT_WAITS = {
 }.get(os.uname().machine, (None, set()))
 
 _closers: list[weakref.WeakMethod[Callable[[], None]]] = []
+_group_threads: set[int] = set()  # native threads that appeared while the package created a process group
 _owns_default_group = False
 _armed = False
 
@@ -63,6 +71,26 @@ def created_default_group() -> None:
     global _owns_default_group
     _arm()
     _owns_default_group = True
+
+
+@contextlib.contextmanager
+def recording_group_threads() -> Iterator[None]:
+    """Around the package's creation of process groups: the threads that are not Python's and appear meanwhile are
+    the groups' (gloo's workers and transport, the store's), waited for at exit where torch leaves them unnamed."""
+    before = _native_threads()
+    try:
+        yield
+    finally:
+        _group_threads.update(_native_threads() - before)
+
+
+def _native_threads() -> set[int]:
+    """The ids of this process's threads that are not Python threads (none where there is no ``/proc``)."""
+    try:
+        tasks = {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+    return tasks - {thread.native_id for thread in threading.enumerate()}
 
 
 def _arm() -> None:
@@ -119,8 +147,7 @@ def _join_our_threads(bound_s: float = SETTLE_S) -> None:
 def settle_gloo_workers(bound_s: float = SETTLE_S) -> bool:
     """Wait, with the GIL released, until every gloo worker thread of this process is in its idle wait in two
     samples in a row (at most ``bound_s`` seconds). True when they are, or when this system cannot tell (no
-    ``/proc``). Workers are the threads torch names ``pt_gloo_runloop``; where torch leaves them unnamed (2.6,
-    2.9), every thread that is not a Python thread and carries the process's own name."""
+    ``/proc``). Workers: see :func:`_gloo_workers`."""
     workers = _gloo_workers()
     deadline = time.monotonic() + bound_s
     settled_once = False
@@ -136,20 +163,17 @@ def settle_gloo_workers(bound_s: float = SETTLE_S) -> bool:
 
 
 def _gloo_workers() -> list[str]:
+    """The threads of gloo's process groups still alive: those torch names ``pt_gloo_runloop``, and those that
+    appeared while the package created a group (:func:`recording_group_threads`)."""
     from lightning_gaudi_fsdp.adapters.torch_internals import GLOO_WORKER_THREAD
 
     tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return []
-    python = {thread.native_id for thread in threading.enumerate()}
-    names: dict[str, str] = {}
-    for tid in os.listdir(tasks):
-        if int(tid) not in python:
-            with contextlib.suppress(OSError):
-                names[tid] = _read(f"{tasks}/{tid}/comm")
-    own = _read(f"{tasks}/{threading.main_thread().native_id}/comm") if names else ""
-    named = [f"{tasks}/{tid}" for tid, name in names.items() if name == GLOO_WORKER_THREAD]
-    return named or [f"{tasks}/{tid}" for tid, name in names.items() if name == own]
+    found = set()
+    for tid in _native_threads():
+        with contextlib.suppress(OSError):
+            if tid in _group_threads or _read(f"{tasks}/{tid}/comm") == GLOO_WORKER_THREAD:
+                found.add(tid)
+    return [f"{tasks}/{tid}" for tid in sorted(found)]
 
 
 def _idle(task: str) -> bool:

@@ -50,11 +50,14 @@ class GaudiPlatform:
         before_process_group(self)
         existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # The rendezvous (and the mesh, the heartbeat's first contact) need every rank: bounded by failure_timeout.
-        with _rendezvous.bounded_rendezvous(
-            self._config.failure_timeout,  # type: ignore[attr-defined]
-            lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
-            lambda: launched_pids(self),
-        ):
+        with (
+            _rendezvous.bounded_rendezvous(
+                self._config.failure_timeout,  # type: ignore[attr-defined]
+                lambda: (self.global_rank, self.world_size),  # type: ignore[attr-defined]
+                lambda: launched_pids(self),
+            ),
+            _exit.recording_group_threads(),
+        ):  # gloo's threads, told apart at exit where torch leaves them unnamed
             super().setup_environment()  # type: ignore[misc]
             if not existed and torch.distributed.is_initialized():
                 _exit.created_default_group()  # destroyed at interpreter exit unless the script does it

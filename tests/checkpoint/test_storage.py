@@ -3,6 +3,7 @@ check, clean-up, commit, and ``convert`` writing its output. The same protocol a
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -226,6 +227,34 @@ def test_a_healthy_rank_raises_the_failed_ranks_cause_and_rank_0_cleans_up_after
     assert info.value.__cause__ is None  # nothing failed here
     assert seen == [True, True]  # the staging location still existed while the ranks exchanged their outcome
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_in_pods_of_one_node_sharing_a_volume_are_checked_against_its_free_space_together(small_tmpfs):
+    """Two pods on one node mount the same volume: their host names differ, but they run under one kernel (boot id)
+    and write to one device. A save that each pod's part alone fits, and both together do not, is refused before
+    writing, as one file system holding both parts."""
+    root = small_tmpfs("1m")
+    path = root / "last.ckpt"
+    needed = int(0.6 * space.free_bytes(root))
+
+    def gather(obj):
+        plan, reports = obj
+        if isinstance(plan, space.Plan):  # preparing: the other pod's rank measured the same volume
+            other = dataclasses.replace(plan, rank=1, target=dataclasses.replace(plan.target, host="trainer-pod-1"))
+            return [obj, (other, reports)]
+        return [obj, obj]
+
+    def write() -> None:
+        commit.staging_path(path).write_bytes(b"\0" * needed)
+
+    with pytest.raises(CheckpointSaveError) as info:
+        storage.write_atomically(path, [write], directory=False, needed=lambda: needed, gather=gather)
+    assert re.match(
+        rf"Cannot save checkpoint '{path}': ranks 0, 1 refused before writing: no space left on {root}: "
+        r"needed about 1\.\d MiB, 1\.0 MiB free",
+        str(info.value),
+    ), str(info.value)
+    assert os.listdir(root) == []
 
 
 def test_a_distributed_checkpoint_error_is_charged_to_the_rank_that_raised_it(tmp_path):

@@ -5,10 +5,12 @@ and Fabric's resume tests."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import streaming
+from lightning_gaudi_fsdp.checkpoint import space, streaming
 from lightning_gaudi_fsdp.checkpoint.storage import zip_checksums
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
@@ -84,22 +86,26 @@ def test_other_ranks_write_in_place_only_on_file_systems_that_share_writes(tmp_p
     the same file: a kernel file system, not a FUSE mount (an object-store mount may upload each open file whole when
     it is closed, so one rank's writes would replace the other's); unknown: the pieces are sent."""
     mounts = tmp_path / "mountinfo"
-    mounts.write_text(
-        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        "30 22 0:40 / /mnt/bucket rw,nosuid,nodev - fuse.gcsfuse ckpts rw,user_id=0\n"
-        "31 22 0:41 / /mnt/my\\040runs rw - xfs /dev/vdb rw\n"
-        "32 30 0:42 / /mnt/bucket/scratch rw - tmpfs tmpfs rw\n"
-        "33 22 0:43 / /mnt/ntfs rw - fuseblk /dev/vdc rw\n"
+    mounts.write_bytes(
+        b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        b"30 22 0:40 / /mnt/bucket rw,nosuid,nodev - fuse.gcsfuse ckpts rw,user_id=0\n"
+        b"31 22 0:41 / /mnt/my\\040runs rw - xfs /dev/vdb rw\n"
+        b"32 30 0:42 / /mnt/bucket/scratch rw - tmpfs tmpfs rw\n"
+        b"33 22 0:43 / /mnt/ntfs rw - fuseblk /dev/vdc rw\n"
+        b"34 22 0:44 / /mnt/ckpt-\xff rw - xfs /dev/vdd rw\n"  # a name that is not UTF-8, as the kernel writes it
     )
-    monkeypatch.setattr(streaming, "_MOUNTS", str(mounts))
-    assert streaming._file_system("/home/u/run/last.ckpt") == "ext4"
-    assert streaming._file_system("/mnt/bucket/run/last.ckpt") == "fuse.gcsfuse"
-    assert streaming._file_system("/mnt/bucketful/last.ckpt") == "ext4"  # a mount point is a whole path component
-    assert streaming._file_system("/mnt/my runs/last.ckpt") == "xfs"  # mountinfo writes a space as \040
-    assert streaming._file_system("/mnt/bucket/scratch/last.ckpt") == "tmpfs"  # the deepest mount point wins
+    monkeypatch.setattr(space, "MOUNTS", str(mounts))  # the one table the free-space check reads too
+    assert space.mount_of("/home/u/run/last.ckpt") == ("/", "ext4")
+    assert space.mount_of("/mnt/bucket/run/last.ckpt") == ("/mnt/bucket", "fuse.gcsfuse")
+    assert space.mount_of("/mnt/bucketful/last.ckpt") == ("/", "ext4")  # a mount point is a whole path component
+    assert space.mount_of("/mnt/my runs/last.ckpt") == ("/mnt/my runs", "xfs")  # mountinfo writes a space as \040
+    assert space.mount_of("/mnt/bucket/scratch/last.ckpt") == ("/mnt/bucket/scratch", "tmpfs")  # the deepest wins
+    undecodable = os.fsdecode(b"/mnt/ckpt-\xff")
+    assert space.mount_of(f"{undecodable}/last.ckpt") == (undecodable, "xfs")
     assert [
         streaming._shares_writes(path)
         for path in ("/home/u/last.ckpt", "/mnt/bucket/last.ckpt", "/mnt/ntfs/last.ckpt", "/mnt/bucket/scratch/x")
     ] == [True, False, False, True]
-    monkeypatch.setattr(streaming, "_MOUNTS", str(tmp_path / "missing"))
+    monkeypatch.setattr(space, "MOUNTS", str(tmp_path / "missing"))
+    assert space.mount_of("/home/u/last.ckpt") == ("", "")
     assert not streaming._shares_writes("/home/u/last.ckpt")

@@ -122,6 +122,33 @@ def test_a_local_shard_of_another_size_on_one_rank_is_refused_on_every_rank(chec
     assert run.proc.stderr.count("reported by rank 1") >= 2  # rank 0 raised it too
 
 
+def test_damage_inside_one_ranks_sharded_entry_fails_on_every_rank(checkpoints, scenario, tmp_path):
+    """Bytes changed inside one entry of rank 1's DCP file, its size kept (every check before the read passes): the
+    read that fills rank 1's shards fails there only, and every rank raises the same error naming the file, as
+    torch's ``dcp.load`` does, instead of rank 0 walking on into the next collective alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = _copy(checkpoints["sharded"][0], tmp_path)
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    shard = "__1_0.distcp"
+    key, info = max(
+        ((k, i) for k, i in metadata.storage_data.items() if i.relative_path == shard and k.fqn.startswith("model.")),
+        key=lambda entry: entry[1].length,
+    )
+    data = bytearray((ckpt / shard).read_bytes())
+    data[info.offset : info.offset + info.length] = bytes(info.length)  # zeros: no longer a torch.save archive
+    (ckpt / shard).write_bytes(bytes(data))
+    started = time.monotonic()
+    problem = f"shard file {shard!r} is damaged: its entry of {key.fqn!r} at byte {info.offset}"
+    run = _load_fails(scenario, ckpt, "sharded", problem)
+    assert time.monotonic() - started < 60  # the strategy's timeout is 30 s: nobody waited it out
+    for rank in (0, 1):  # each rank's own traceback ends with the same error, reported by rank 1
+        stderr = (run.out / f"rank{rank}.stderr").read_text()
+        error = re.escape(f"CheckpointError: Cannot load checkpoint '{ckpt}': {problem}")
+        line = rf"^\[rank{rank}\]: \S*{error}.*\(reported by rank 1\)$"
+        assert re.search(line, stderr, re.MULTILINE), f"rank {rank}: {stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
 def test_checkpoint_of_another_model(checkpoints, scenario, fmt):
     ckpt = checkpoints[fmt][0]

@@ -5,8 +5,11 @@ as a user's run would, with ModelCheckpoint's save failing on a full disk."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+
+import torch
 
 from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
 
@@ -90,3 +93,17 @@ def test_failed_saves_name_the_cause_on_every_rank(scenario, small_tmpfs):
     # ModelCheckpoint kept the previous checkpoint (it deletes it only after a successful save), intact; nothing else
     assert sorted(p.name for p in (root / "mc").iterdir()) == ["epoch=0-step=1.ckpt"]
     assert load_full_state(root / "mc" / "epoch=0-step=1.ckpt")[0]["global_step"] == 1
+
+
+def test_a_full_save_into_a_path_that_is_not_valid_text_succeeds(scenario, tmp_path):
+    """A directory name with bytes that do not decode (``os.fsdecode(b"ckpt-\\xff")``, as a non-UTF-8 file name
+    reads in Python): the streamed full save names its file to the other ranks in bytes (``os.fsencode``), so the
+    2-rank save is written, whole, instead of failing on rank 0 while the other rank waits for the name."""
+    ckpt = tmp_path / os.fsdecode(b"ckpt-\xff") / "model.ckpt"
+    cfg = {"strategy": {"auto_wrap_policy": [BLOCK], "timeout": 30}, "max_steps": 2, "save_path": str(ckpt)}
+    run = scenario(cfg, timeout=120)
+    saved = {k.removeprefix("net."): v for k, v in torch.load(ckpt, weights_only=True)["state_dict"].items()}
+    final = run.final()["weights"]
+    assert sorted(saved) == sorted(final)
+    for key, value in final.items():
+        assert torch.equal(saved[key], value), key

@@ -214,7 +214,8 @@ class BackgroundSaver:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
-                self._group = torch_internals.new_host_group(**kwargs)  # also beside a group bound to hpu:0
+                with _exit.recording_group_threads():
+                    self._group = torch_internals.new_host_group(**kwargs)  # also beside a group bound to hpu:0
                 _exit.close_at_exit(self.close)
             self._group_made = True
         return self._group

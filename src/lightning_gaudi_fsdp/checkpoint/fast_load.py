@@ -12,7 +12,9 @@ goes into: for the model, views of its live shards (FSDP1: its slices of each fl
 :func:`.fsdp1_state.model_state_dict` saves them; FSDP2: each parameter's local shard); for each optimizer, state
 tensors allocated in the shape they have on this rank, with the keys and dtypes the checkpoint's metadata lists. One
 read in this process alone (no collectives: each rank knows what it needs), planned by :class:`_PiecePlanner` and
-done by the same safe reader as every other read (:mod:`.trust`), fills all of it; each optimizer then gets its
+done by the same safe reader as every other read (:mod:`.trust`), fills all of it; the ranks then tell each other
+whether their read failed (damage inside one rank's entry), so that every rank raises the same error naming the file,
+as torch's ``dcp.load`` does (:func:`.loading.load_sharded_fast`); each optimizer then gets its
 state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
 
 :func:`plan` says whether this applies (``None``: the caller takes torch's path): FSDP1 where the package saves
@@ -35,7 +37,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters import torch_internals
-from lightning_gaudi_fsdp.checkpoint.formats import merge_groups
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, merge_groups
+from lightning_gaudi_fsdp.checkpoint.storage import first_line
 from lightning_gaudi_fsdp.engine import fsdp1_state
 
 # A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
@@ -354,9 +357,16 @@ def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
                     handle.seek(info.offset)
                     if handle.readinto(data) != info.length:
                         raise EOFError(f"{relative} ends before the entry at {info.offset} (+{info.length} bytes)")
-                    saved = tensor_from_archive(data)
-                    if saved is None:
-                        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    try:
+                        saved = tensor_from_archive(data)
+                        if saved is None:
+                            saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    except Exception as err:  # the bytes are there (checked) but are no tensor: damage
+                        raise CheckpointError(
+                            path,
+                            f"shard file {relative!r} is damaged: its entry of {item.storage_index.fqn!r} at byte "
+                            f"{info.offset} ({info.length} bytes) could not be read ({first_line(err)})",
+                        ) from err
                     last = ((info.offset, info.length), saved)
                 source = last[1]
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.nn import Module
@@ -44,8 +44,11 @@ from lightning_gaudi_fsdp.checkpoint.views import (
     internal_view,
     with_dcp_keys,
 )
+from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------------ checking
@@ -366,7 +369,7 @@ def load_sharded_fast(
         return False
     log.debug("read straight into this rank's shards: the sharded checkpoint %s", pending.path)
 
-    def read(pieces: fast_load.Pieces, planner: Any) -> None:
+    def read_here(pieces: fast_load.Pieces, planner: Any) -> None:
         try:
             done = fast_load.read_pieces(pending.path, pending.dcp_metadata, pieces)
         except CheckpointError:
@@ -376,5 +379,29 @@ def load_sharded_fast(
         if not done:
             read_distributed(pending.path, {}, planner, weights_only=pending.weights_only, reader=pending.dcp_reader)
 
+    def read(pieces: fast_load.Pieces, planner: Any) -> None:
+        # each rank reads alone (no collective), so one that fails tells the others, as torch's dcp.load does
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        agreed(pending.path, lambda: read_here(pieces, planner), world_size)
+
     fast_load.apply(planned, read)
     return True
+
+
+def agreed(path: Path, read: Callable[[], T], world_size: int) -> T:
+    """``read()`` on every rank; if it raised on any rank, every rank raises the same :class:`CheckpointError`
+    naming the first rank that failed and its problem (any other exception as ``Type: message``), so that none goes
+    on to a collective alone or waits in this one (one gather of every rank's outcome)."""
+    result, error, cause = None, None, None
+    try:
+        result = read()
+    except CheckpointError as err:
+        error, cause = err.problem, err
+    except Exception as err:  # e.g. an OSError while reading: the other ranks must hear of it too
+        error, cause = f"{type(err).__name__}: {err}", err
+    errors = gather_objects(error, world_size)
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    if failed:
+        rank, problem = failed[0]
+        raise CheckpointError(path, f"{problem} (reported by rank {rank})") from cause
+    return result  # type: ignore[return-value]

@@ -5,14 +5,18 @@ Before anything is written, every rank reports the bytes it is about to write (:
 space of its target file system (:func:`probe`); :func:`.storage.write_atomically` refuses a save that a file system
 cannot hold (:func:`.storage.shortfalls`), and saves without the check, with a warning, where a rank's estimate fails.
 ``check_free_space=False`` on the strategy (or ``convert``), or ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE=0``, turns that
-check off for file systems that report free space wrongly (:func:`check_free_space_enabled`). Nothing here knows
-state-dict formats or how a failed save is reported.
+check off for file systems that report free space wrongly (:func:`check_free_space_enabled`). Ranks write to one file
+system when they read the same :func:`file_system_id` (the running kernel and the device: pods of one node sharing a
+volume, whatever their host names); the streamed full save (:mod:`.streaming`) tells the same way whether another rank
+sees rank 0's file, and where it may write into it (:func:`mount_of`). Nothing here knows state-dict formats or how a
+failed save is reported.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,14 +102,60 @@ def estimate_bytes(obj: Any, tensors: Literal["storage", "elements"] = "storage"
 
 
 # ------------------------------------------------------------------------------------------------ file systems
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the same on every process of one running kernel, and only there
+MOUNTS = "/proc/self/mountinfo"  # the file systems this process sees, where and of which type
+
+
+def boot_id() -> int:
+    """60 bits of the running kernel's boot id (0: unknown): processes that read the same one share a kernel (one
+    node, whatever its containers or pods call themselves)."""
+    try:
+        with open(_BOOT_ID) as handle:
+            return int(handle.read().strip().replace("-", "")[:15], 16)
+    except (OSError, ValueError):
+        return 0
+
+
+def file_system_id(stat: os.stat_result) -> tuple[int, int]:
+    """What identifies the file system holding the file or directory ``stat`` describes, across processes: the
+    running kernel (:func:`boot_id`, 0 if unknown) and the device number it gives that file system. Processes in
+    different pods or containers of one node that mount the same volume get the same pair; other nodes another."""
+    return boot_id(), stat.st_dev
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """The mount point and file-system type (``"ext4"``, ``"fuse.gcsfuse"``...) of the deepest mount above the
+    absolute, resolved ``path`` in :data:`MOUNTS`; ``("", "")`` if unknown. Names are read as the OS gives them
+    (undecodable bytes as :func:`os.fsdecode` makes them)."""
+    deepest, kind = "", ""
+    try:
+        with open(MOUNTS, "rb") as handle:
+            for line in handle:
+                fields = line.split()
+                point = os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda octal: bytes([int(octal.group(1), 8)]), fields[4]))
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(deepest):
+                    deepest, kind = point, os.fsdecode(fields[fields.index(b"-", 6) + 1])
+    except (OSError, ValueError, IndexError):
+        return "", ""
+    return deepest, kind
+
+
 @dataclass(frozen=True)
 class Target:
     """The file system a rank writes to, as that rank sees it before the save."""
 
     host: str
+    boot: int  # see file_system_id
     device: int
     mount: str
     free: int
+
+    @property
+    def file_system(self) -> tuple[int | str, int]:
+        """What identifies this file system among the ranks' targets (:func:`file_system_id`; the host name in place
+        of an unknown boot id)."""
+        return self.boot or self.host, self.device
 
 
 @dataclass(frozen=True)
@@ -127,7 +177,10 @@ def nearest_existing(path: Path) -> Path:
 
 def mount_point(path: Path) -> Path:
     path = nearest_existing(path)
-    while not os.path.ismount(path) and path != path.parent:
+    point = mount_of(os.path.realpath(path))[0]
+    if point:
+        return Path(point)
+    while not os.path.ismount(path) and path != path.parent:  # no mount table to read
         path = path.parent
     return path
 
@@ -142,9 +195,11 @@ def read_only(path: Path) -> bool:
 
 
 def probe(path: Path) -> Target:
-    """The file system holding ``path`` (or its nearest existing parent): node, device, mount point, free bytes."""
+    """The file system holding ``path`` (or its nearest existing parent): host, what identifies it
+    (:func:`file_system_id`), mount point, free bytes."""
     existing = nearest_existing(path)
-    return Target(socket.gethostname(), os.stat(existing).st_dev, str(mount_point(existing)), free_bytes(existing))
+    boot, device = file_system_id(os.stat(existing))
+    return Target(socket.gethostname(), boot, device, str(mount_point(existing)), free_bytes(existing))
 
 
 def human_bytes(n: int) -> str:
@@ -157,7 +212,7 @@ def human_bytes(n: int) -> str:
 
 
 def same_file_system(plans: Sequence[Plan], target: Target) -> list[Plan]:
-    return [p for p in plans if (p.target.host, p.target.device) == (target.host, target.device)]
+    return [p for p in plans if p.target.file_system == target.file_system]
 
 
 def needed_together(plans: Sequence[Plan]) -> int | None:

@@ -46,9 +46,9 @@ def _no_space(mount: str, needed: int | None, free: int | None) -> str:
 def shortfalls(plans: Sequence[Plan]) -> list[Failure]:
     """Refusals, one per writing rank, for each file system whose free space is less than its ranks will write."""
     failures: list[Failure] = []
-    done: set[tuple[str, int]] = set()
+    done: set[tuple[int | str, int]] = set()
     for plan in plans:
-        key = (plan.target.host, plan.target.device)
+        key = plan.target.file_system
         if key in done:
             continue
         done.add(key)
@@ -144,7 +144,7 @@ def _raised_by(error: BaseException, rank: int) -> list[tuple[int, BaseException
     return [(rank, error)]
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
@@ -155,7 +155,7 @@ def failures_of(error: BaseException, rank: int, stage: str) -> list[Failure]:
     if isinstance(error, CheckpointSaveError):
         return list(error.failures)
     shown = _os_error_in(error) or error
-    return [Failure(rank, stage, "", _first_line(shown), "see the error chained on the failed rank")]
+    return [Failure(rank, stage, "", first_line(shown), "see the error chained on the failed rank")]
 
 
 def merge_reports(reports: Sequence[Sequence[Failure]]) -> list[Failure]:
@@ -203,7 +203,7 @@ class _Attempt:
             if check:
                 log.warning(
                     f"[rank {self.rank}] the free-space check before saving {str(self.path)!r} did not run: the size "
-                    f"of this rank's part could not be estimated ({_first_line(err)}); saving without it"
+                    f"of this rank's part could not be estimated ({first_line(err)}); saving without it"
                 )
             return None
 
@@ -222,7 +222,7 @@ class _Attempt:
             gathered = self.gather((result, reports))
         except BaseException:
             if error is not None:  # a lost peer; keep this rank's own failure in the output
-                log.error(f"[rank {self.rank}] saving {str(self.path)!r} {stage}: {_first_line(error)}")
+                log.error(f"[rank {self.rank}] saving {str(self.path)!r} {stage}: {first_line(error)}")
             raise
         self.world_size = len(gathered)
         failures = merge_reports([reported for _, reported in gathered])
@@ -244,7 +244,7 @@ class _Attempt:
         except Exception:  # noqa: BLE001 - looking at a broken target must not keep this rank from reporting
             cause, advice = "", ""
         shown = _os_error_in(error) or error  # "[Errno 28] No space left on device", not torch's "unexpected pos"
-        return Failure(rank, stage, cause, _first_line(shown), advice or "see the error chained on the failed rank")
+        return Failure(rank, stage, cause, first_line(shown), advice or "see the error chained on the failed rank")
 
     def _cause(self, error: BaseException, staging_made: bool) -> tuple[str, str]:
         own = next((p for p in self.plans if p.rank == self.rank), None)

@@ -41,7 +41,6 @@ import ctypes
 import functools
 import logging
 import os
-import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.checkpoint import space
 from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,6 @@ _IN_PLACE = True  # whether ranks on rank 0's host write their pieces into the c
 _CONTROL_TAG = 0  # rank 0's handshake and requests (pieces are tagged 1, 2, ...)
 _REQUESTS = 16  # rank 0's requests to a rank writing in place go in batches of at most this many pieces,
 _REQUEST_BYTES = 16 << 20  # or of this many bytes (each message costs both ranks a fraction of a millisecond)
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the same on every process of one running kernel, and only there
-_MOUNTS = "/proc/self/mountinfo"  # the file systems this process sees, and their types
 
 
 def available() -> bool:
@@ -351,14 +349,13 @@ class _Receiver:
 
         if not self.sources or self._connected:
             return
-        self._connected = True
         shareable = handle is not None and file is not None and _IN_PLACE and _shares_writes(os.path.realpath(file))
-        boot = _boot_id() if shareable else 0
-        path = os.path.abspath(file).encode() if boot else b""
-        stat = os.fstat(handle.fileno()) if boot else None
-        hello = torch.tensor(
-            [boot, stat.st_dev if stat else 0, stat.st_ino if stat else 0, len(path)], dtype=torch.int64
-        )
+        stat = os.fstat(handle.fileno()) if shareable else None
+        boot, device = space.file_system_id(stat) if stat else (0, 0)
+        path = os.fsencode(os.path.abspath(file)) if boot else b""  # any name the OS takes (undecodable bytes too)
+        hello = torch.tensor([boot, device, stat.st_ino if boot else 0, len(path)], dtype=torch.int64)
+        # only now: if anything above raised, drain() connects again without a file, and the sources send their pieces
+        self._connected = True
         answers = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(hello, dst=src, tag=_CONTROL_TAG, group=self.group) for src in self.sources]
         if path:
@@ -546,38 +543,12 @@ class _Hole(NamedTuple):
     size: int
 
 
-def _boot_id() -> int:
-    """60 bits of the running kernel's boot id (0: unknown): processes that read the same one share a kernel."""
-    try:
-        with open(_BOOT_ID) as handle:
-            return int(handle.read().strip().replace("-", "")[:15], 16)
-    except (OSError, ValueError):
-        return 0
-
-
 def _shares_writes(path: str) -> bool:
     """Whether processes writing ``path`` through different descriptors write one file, as on every kernel file
     system (ext4, xfs, tmpfs, overlay, NFS...): not on a FUSE mount, where each open file may be uploaded whole when
-    it is closed (object-store mounts), nor where the file system is unknown."""
-    kind = _file_system(path)
+    it is closed (object-store mounts), nor where the file system is unknown (:func:`.space.mount_of`)."""
+    kind = space.mount_of(path)[1]
     return bool(kind) and not kind.startswith("fuse")
-
-
-def _file_system(path: str) -> str:
-    """The type of the file system that holds the absolute, resolved ``path``: that of the deepest mount point above
-    it in :data:`_MOUNTS` (``""`` if unknown)."""
-    deepest, kind = "", ""
-    try:
-        with open(_MOUNTS) as handle:
-            for line in handle:
-                fields = line.split()
-                point = re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), fields[4])
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(deepest):
-                    deepest, kind = point, fields[fields.index("-", 6) + 1]
-    except (OSError, ValueError, IndexError):
-        return ""
-    return kind
 
 
 def _open_checkpoint(group: Any) -> int | None:
@@ -595,7 +566,7 @@ def _open_checkpoint(group: Any) -> int | None:
         try:
             fd = os.open(bytes(name.tolist()), os.O_WRONLY)
             stat = os.fstat(fd)
-            if (boot, device, inode) != (_boot_id(), stat.st_dev, stat.st_ino):
+            if (boot, device, inode) != (*space.file_system_id(stat), stat.st_ino):
                 os.close(fd)
                 fd = None
         except OSError as err:  # not there from here: rank 0 receives the pieces

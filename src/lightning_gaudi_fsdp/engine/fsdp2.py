@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 from torch.nn import Module, Parameter
 
 from lightning_gaudi_fsdp import _activation_checkpointing as activation
-from lightning_gaudi_fsdp import _sharding, options
+from lightning_gaudi_fsdp import _exit, _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
@@ -294,11 +294,12 @@ def mesh(door: Any) -> Any:
     if isinstance(given, DeviceMesh):
         return given
     device_type = door.root_device.type
-    if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
-        shape = (door.num_nodes, door.num_processes)
-        door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-    else:
-        door._device_mesh = init_device_mesh(device_type, (door.world_size,))
+    with _exit.recording_group_threads():  # a group's threads, told apart at exit (see _exit)
+        if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
+            shape = (door.num_nodes, door.num_processes)
+            door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            door._device_mesh = init_device_mesh(device_type, (door.world_size,))
     return door._device_mesh
 
 
