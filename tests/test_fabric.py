@@ -13,7 +13,6 @@ import torch
 from lightning_gaudi_fsdp import GaudiFSDPStrategy as TrainerStrategy
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
-from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 
 def test_same_arguments_and_defaults_as_the_trainer_strategy():
@@ -89,7 +88,7 @@ def test_fabric_precision_autocasts_on_the_device_in_use():
         fabric.strategy.precision = object()
 
 
-def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch):  # noqa: F811
+def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch):
     monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
     monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")  # restored after the test
     fabric = L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(eager_pipeline=False))
@@ -103,7 +102,7 @@ def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_g
     assert strategy.precision.device_type == "hpu"
 
 
-def test_hpu_fabric_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch):  # noqa: F811
+def test_hpu_fabric_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # read once, when the bridge loads
     with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
         L.Fabric(accelerator="hpu", devices=2, strategy="gaudi_fsdp")

@@ -5,38 +5,16 @@ from __future__ import annotations
 import os
 import re
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import FAKES, _drop_fake_modules, gaudi_double
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, gaudi
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
-
-FAKES = Path(__file__).parent / "fakes"
-
-
-def _drop_fake_modules() -> None:
-    for name in [m for m in sys.modules if m == "habana_frameworks" or m.startswith("habana_frameworks.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def fake_gaudi(monkeypatch):
-    """Put the double on sys.path; undo everything it patched when the test ends."""
-    monkeypatch.syspath_prepend(str(FAKES))
-    for name in ("PT_HPU_LAZY_MODE", "PT_HPU_EAGER_PIPELINE_ENABLE"):  # recorded, so restored after the test
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(dist, "init_process_group", dist.init_process_group)  # restored after the test
-    _drop_fake_modules()
-    yield lambda: __import__("habana_frameworks").CALLS
-    _drop_fake_modules()
-    if hasattr(torch, "hpu"):
-        delattr(torch, "hpu")
 
 
 def test_without_the_bridge_nothing_is_available(monkeypatch):
@@ -385,3 +363,26 @@ def test_shards_offloaded_to_host_memory_are_gathered_by_torch_on_hccl(tmp_path)
     if "fsdp2_gathers_itself" in seen["gloo"]:
         assert seen["gloo"]["fsdp2_gathers_itself"] is True
         assert seen["hccl"]["fsdp2_gathers_itself"] is False
+
+
+def test_the_double_is_undone_for_the_tests_after_it():
+    """What the double patches (collectives that refuse AVG, the ``hccl`` backend, ``torch.hpu``, the dynamo
+    backend) must not leak into the tests that run after a Gaudi test in the same process."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    before = (dist.all_reduce, dist.init_process_group, list(dist.Backend.backend_list))
+    with pytest.MonkeyPatch.context() as mp, gaudi_double(mp):
+        import habana_frameworks.torch  # noqa: F401
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401
+        import habana_frameworks.torch.dynamo.compile_backend  # noqa: F401
+
+        assert dist.all_reduce is not before[0]
+        assert "hccl" in dist.Backend.backend_list
+        assert hasattr(torch, "hpu")
+        assert "hpu_backend" in _COMPILER_FNS
+    assert (dist.all_reduce, dist.init_process_group, list(dist.Backend.backend_list)) == before
+    assert not hasattr(dist.Backend, "HCCL")
+    assert "hccl" not in dist.Backend._plugins and "HCCL" not in dist.Backend._plugins
+    assert not hasattr(torch, "hpu")
+    assert "hpu_backend" not in _COMPILER_FNS
+    assert "habana_frameworks" not in sys.modules
