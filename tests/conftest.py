@@ -383,7 +383,6 @@ def gaudi_double(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Put the Gaudi double (``tests/fakes``) on sys.path; undo everything it patched on leaving: the environment,
     the collectives its ``hccl`` wraps, the ``hccl`` backend it registers with torch and the ``hpu_backend`` it
     registers with dynamo (``monkeypatch`` restores its part when it is undone)."""
-    import torch
     import torch.distributed as dist
     from torch._dynamo.backends.registry import _COMPILER_FNS
 

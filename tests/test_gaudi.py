@@ -382,7 +382,8 @@ def test_the_double_is_undone_for_the_tests_after_it():
         assert "hpu_backend" in _COMPILER_FNS
     assert (dist.all_reduce, dist.init_process_group, list(dist.Backend.backend_list)) == before
     assert not hasattr(dist.Backend, "HCCL")
-    assert "hccl" not in dist.Backend._plugins and "HCCL" not in dist.Backend._plugins
+    assert "hccl" not in dist.Backend._plugins
+    assert "HCCL" not in dist.Backend._plugins
     assert not hasattr(torch, "hpu")
     assert "hpu_backend" not in _COMPILER_FNS
     assert "habana_frameworks" not in sys.modules
