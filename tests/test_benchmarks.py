@@ -46,7 +46,9 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
 
     summary = {row["measurement"]: row for row in results["summary"]}
     assert summary["full save / torch.save"]["target"] == "<= 1.5"
-    assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
+    row = summary["full save / torch.save"]
+    # each engine's verdict is its own ratio against the target (a smoke run's ratios may land either side of it)
+    assert row["met"] == {engine: row[engine] <= 1.5 for engine in ENGINES}, row
     assert summary["full save / torch.save without CRC32s"]["target"] == "<= 1.2"
     assert all(summary["full save / torch.save without CRC32s"][engine] > 0 for engine in ENGINES)
     in_fit = summary["full save inside fit / torch.save without CRC32s (paired per step)"]
