@@ -19,6 +19,11 @@ BLOCK = "common.Block"
 PARAMS = 3 * (16 * 16 + 16 + 16 + 16) + 17  # three blocks and the head of tests/scenarios/common.Net
 
 
+# the module's three runs (180 s each) set up inside whichever test comes first; one test waits 300 s for Lightning's
+# consolidate_checkpoint
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """One 2-rank run per format; each saves its checkpoint after training and its final full weights."""
