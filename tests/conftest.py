@@ -212,6 +212,9 @@ class ScenarioPool:
             "env": _env(),
             "logs": str(logs),
             **({"grace_s": grace_s} if grace_s is not None else {}),
+            # the server's own bound, should this side not get to kill the ranks at ``timeout`` (the stack dump
+            # and the kill take a few seconds)
+            "deadline_s": timeout + 60,
         }
         started: dict[str, Any] | None = None
         try:
