@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 from lightning_gaudi_fsdp.cli import main
 
-BLOCK = "common.Block"
 PARAMS = 3 * (16 * 16 + 16 + 16 + 16) + 17  # three blocks and the head of tests/scenarios/common.Net
 
 

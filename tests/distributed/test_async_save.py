@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
-
-BLOCK = "common.Block"
 
 
 def _strategy(fmt: str, **extra):

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 
-BLOCK = "common.Block"
 BOUND_S = 90  # far below the 30-minute default process-group timeout
 
 

@@ -5,17 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-BLOCK = "common.Block"
-
-
-def _assert_close_weights(a, b, atol=1e-5):
-    assert sorted(a) == sorted(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-
-
-def _changed(a, b) -> bool:
-    return any(not torch.allclose(a[k], b[k]) for k in a)
+from helpers import BLOCK, assert_close_weights, changed
 
 
 @pytest.mark.parametrize("engine", [1, 2])
@@ -35,10 +25,10 @@ def test_gradient_clipping_matches_one_process(scenario, algorithm, value, engin
             "trainer": trainer,
         }
     ).final()
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
     # clipping really bit: without it the weights end elsewhere
     unclipped = scenario({"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}}).final()
-    assert _changed(unclipped["weights"], ref["weights"])
+    assert changed(unclipped["weights"], ref["weights"])
 
 
 @pytest.mark.parametrize("engine", [1, 2])
@@ -54,7 +44,7 @@ def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scen
         }
     ).final()
     assert got["step"] == ref["step"] == 3
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
 
 
 @pytest.mark.parametrize("engine", [1, 2])
@@ -127,9 +117,9 @@ def test_manual_optimization_matches_one_process(scenario, engine):
     ).final()
     assert got["step"] == ref["step"] == 4
     assert got["lr"] == ref["lr"]
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
     initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()
-    assert _changed(initial["weights"], ref["weights"])
+    assert changed(initial["weights"], ref["weights"])
 
 
 @pytest.mark.fsdp2
@@ -144,7 +134,7 @@ def test_manual_optimization_on_fsdp2_may_call_a_submodule_directly(scenario):
             "module": {**module, "batch_size": 4},
         }
     ).final()
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
 
 
 def test_manual_optimization_calling_a_submodule_directly_is_a_clear_error(scenario):

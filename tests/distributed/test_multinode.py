@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import lightning as L
 import torch
 
+from helpers import BLOCK, free_port
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
-
-BLOCK = "common.Block"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_nodes(
@@ -29,7 +21,7 @@ def _two_nodes(
 
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(cfg))
-    port = _free_port()
+    port = free_port()
     cmds = [
         [
             sys.executable,

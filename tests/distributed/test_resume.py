@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.formats import OPTIMIZER_GROUPS_KEY
 
-BLOCK = "common.Block"
 STEPS_PER_EPOCH = 4  # 32 samples, 4 per rank, 2 ranks: resuming at an epoch boundary replays no batch
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-BLOCK = "common.Block"
+from helpers import BLOCK
 
 
 def _soak(scenario, tmp_path, steps: int, every: int):
