@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import Any
 
 import lightning as L
 import pytest
@@ -101,49 +102,53 @@ def test_compile_backend_per_device(fake_gaudi):
     assert any(event[0] == "hpu_backend_compiled" for event in fake_gaudi())
 
 
-def _hpu_trainer(strategy: GaudiFSDPStrategy, devices: int = 2) -> L.Trainer:
-    return L.Trainer(accelerator="hpu", devices=devices, strategy=strategy, logger=False)
+DOORS = pytest.mark.parametrize("door", ["trainer", "fabric"])
 
 
-def test_hpu_trainer_uses_hccl_and_the_bridge_device(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
-    trainer = _hpu_trainer(GaudiFSDPStrategy())
-    strategy = trainer.strategy
-    assert strategy._get_process_group_backend() == "hccl"
-    torch.hpu.set_device(1)
-    assert strategy.root_device == torch.device("hpu", 1)
-    assert strategy._fsdp_device() == torch.device("hpu", 1)  # always a device, never an index
+def _hpu_strategy(door: str, strategy: Any = None, **kwargs: Any) -> Any:
+    """The strategy of a 2-device ``Trainer`` or ``Fabric`` (``door``) on ``accelerator="hpu"``, as built before any
+    process starts; ``strategy``: an instance or a registered name (a default ``GaudiFSDPStrategy`` of the door)."""
+    from lightning_gaudi_fsdp import fabric
+
+    if door == "trainer":
+        strategy = strategy if strategy is not None else GaudiFSDPStrategy()
+        return L.Trainer(accelerator="hpu", devices=2, strategy=strategy, logger=False, **kwargs).strategy
+    strategy = strategy if strategy is not None else fabric.GaudiFSDPStrategy()
+    return L.Fabric(accelerator="hpu", devices=2, strategy=strategy, **kwargs).strategy
 
 
-def test_hpu_with_gloo_is_refused_when_the_trainer_is_built(fake_gaudi, monkeypatch):
-    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
-        _hpu_trainer(GaudiFSDPStrategy(process_group_backend="gloo"))
+def _door_strategy_class(door: str) -> Any:
+    from lightning_gaudi_fsdp import fabric
+
+    return GaudiFSDPStrategy if door == "trainer" else fabric.GaudiFSDPStrategy
 
 
-def test_launcher_sets_eager_environment_for_launched_processes(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+@DOORS
+def test_hpu_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch, door):
     monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "")  # monkeypatch restores both variables after the test
     monkeypatch.delenv("PT_HPU_LAZY_MODE")
-    _hpu_trainer(GaudiFSDPStrategy(eager_pipeline=False))  # the launcher is configured here, before any process
+    strategy = _hpu_strategy(door, _door_strategy_class(door)(eager_pipeline=False), precision="bf16-mixed")
+    assert strategy._get_process_group_backend() == "hccl"
+    torch.hpu.set_device(1)
+    assert strategy.root_device == torch.device("hpu", 1)
+    if door == "trainer":
+        assert strategy._fsdp_device() == torch.device("hpu", 1)  # always a device, never an index
+    # the launcher is configured when the door is built, before any process
     assert os.environ["PT_HPU_LAZY_MODE"] == "0"
     assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
+    plugin = strategy.precision_plugin if door == "trainer" else strategy.precision
+    plugin.set_device_type(strategy.root_device.type)
+    assert plugin.device_type == "hpu"  # autocast on the device in use
 
 
-def test_lazy_mode_stops_the_launch(fake_gaudi, monkeypatch):
-    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+@DOORS
+def test_hpu_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch, door):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # read once, when the bridge loads
     with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
-        _hpu_trainer(GaudiFSDPStrategy())
-
-
-def test_autocast_follows_the_hpu_device_type(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
-    trainer = L.Trainer(
-        accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed", logger=False
-    )
-    plugin = trainer.strategy.precision_plugin
-    plugin.set_device_type(trainer.strategy.root_device.type)
-    assert plugin.device_type == "hpu"
+        _hpu_strategy(door, "gaudi_fsdp")
+    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
+        _hpu_strategy(door, _door_strategy_class(door)(process_group_backend="gloo"))
 
 
 def test_doctor_with_a_healthy_and_a_lazy_bridge(fake_gaudi, monkeypatch, capsys):

@@ -32,12 +32,20 @@ HELD = {
 )
 def test_two_ranks_match_one_process_on_the_global_batch(scenario, reference_run, engine, sharding, devices):
     steps = 5
-    ref = reference_run(max_steps=steps, module={"batch_size": 8})  # one run for every case of the session
+    # SGD with momentum: AdamW's update does not change when a gradient is scaled, so it could not tell a unit whose
+    # gradients were summed over the ranks from one whose gradients were averaged
+    optimizer = {"optimizer": "sgd_momentum"}
+    ref = reference_run(max_steps=steps, module={**optimizer, "batch_size": 8})  # one run for every case
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "fsdp_version": engine}
     if devices == 4:
         strategy["device_mesh"] = [2, 2]
     sharded = scenario(
-        {"strategy": strategy, "devices": devices, "max_steps": steps, "module": {"batch_size": 8 // devices}}
+        {
+            "strategy": strategy,
+            "devices": devices,
+            "max_steps": steps,
+            "module": {**optimizer, "batch_size": 8 // devices},
+        }
     )
     got = sharded.final()
     assert got["step"] == ref["step"] == steps
