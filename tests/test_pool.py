@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -121,6 +122,7 @@ def test_the_pool_bounds_each_scenario_and_dies_with_a_worker_killed_hard(tmp_pa
 
     from conftest import SCENARIOS, _env
 
+    server, ranks = 0, []
     requests = []
     for name, deadline in (("bounded", {"deadline_s": 1}), ("orphaned", {})):
         out = tmp_path / name
@@ -158,3 +160,7 @@ def test_the_pool_bounds_each_scenario_and_dies_with_a_worker_killed_hard(tmp_pa
     finally:
         worker.kill()
         worker.wait()
+        for pid in [server, *ranks]:  # whatever a failed check left behind (they are this test's own processes)
+            if pid > 0:  # 0 until read: os.kill(0, ...) would signal this process group
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
