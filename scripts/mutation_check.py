@@ -54,11 +54,12 @@ MUTATIONS = (
         "fsdp2-one-unit-summed",
         "FSDP2 sums one unit's gradients over the ranks instead of averaging them",
         "src/lightning_gaudi_fsdp/engine/fsdp2.py",
-        "            module.set_force_sum_reduction_for_comms(True)\n",
-        "            module.set_force_sum_reduction_for_comms(True)\n"
-        "            if module is not model and not getattr(model, '_mutated', False):\n"
-        "                model._mutated = True\n"
-        "                module.set_gradient_divide_factor(1.0)\n",
+        '    if door.process_group_backend == "hccl":\n        force_sum_reductions(model)\n',
+        '    if door.process_group_backend == "hccl":\n        force_sum_reductions(model)\n'
+        "    from torch.distributed.fsdp import FSDPModule\n"
+        "    unit = next(m for m in model.modules() if isinstance(m, FSDPModule) and m is not model)\n"
+        "    unit.set_force_sum_reduction_for_comms(True)\n"
+        "    unit.set_gradient_divide_factor(1.0)\n",
         ("tests/distributed/test_training.py::test_two_ranks_match_one_process_on_the_global_batch[2-FULL_SHARD-2]",),
     ),
     Mutation(
@@ -82,7 +83,7 @@ MUTATIONS = (
         "bf16-mixed runs without autocast on the device in use (Lightning's own FSDPPrecision on a CPU or Gaudi)",
         "src/lightning_gaudi_fsdp/precision.py",
         "            return torch.autocast(self.device_type, dtype=dtype)\n",
-        "            return super().forward_context()  # type: ignore[misc]\n",
+        '            return torch.autocast("cuda", dtype=dtype)\n',  # Lightning's FSDPPrecision
         # the parity with one process alone does not catch it: FSDP's bf16 parameters compute in bf16 anyway
         ("tests/distributed/test_training.py::test_trainer_bf16_mixed_autocasts_on_the_cpu[1]",),
     ),
