@@ -111,17 +111,6 @@ MUTATIONS = (
         "        pass\n",
         ("tests/test_pool.py::test_the_pool_bounds_each_scenario_and_dies_with_a_worker_killed_hard",),
     ),
-    Mutation(
-        "weights-only-checkpoint-saves-initial-weights",
-        "a weights-only checkpoint is written, but with weights that are not the run's",
-        "tests/scenarios/train.py",
-        '        callbacks.append(ModelCheckpoint(**cfg["model_checkpoint"]))\n',
-        '        callbacks.append(ModelCheckpoint(**cfg["model_checkpoint"]))\n'
-        '        if cfg["model_checkpoint"].get("save_weights_only"):\n'
-        "            module.on_save_checkpoint = lambda checkpoint: checkpoint['state_dict'].update(\n"
-        "                {k: v.detach().clone().zero_() for k, v in checkpoint['state_dict'].items()})\n",
-        ("tests/distributed/test_resume.py::test_weights_only_checkpoint_restores_weights",),
-    ),
 )
 
 
