@@ -164,3 +164,40 @@ def test_the_pool_bounds_each_scenario_and_dies_with_a_worker_killed_hard(tmp_pa
             if pid > 0:  # 0 until read: os.kill(0, ...) would signal this process group
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@needs_session_pool
+def test_an_interrupted_scenario_leaves_no_rank(tmp_path):
+    """Whatever stops the wait (pytest-timeout's signal, Ctrl-C): the scenario's ranks, in their own process group,
+    are killed before the exception goes on, and the next scenario gets a fresh pool."""
+    import signal
+
+    from conftest import SCENARIOS, _scenario_pool
+
+    class Interrupted(BaseException):  # as KeyboardInterrupt: not an Exception
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    pool = _scenario_pool()
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps({"out": str(out)}))
+    pool._ensure()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 5.0)
+        with pytest.raises(Interrupted):
+            pool.run(SCENARIOS / HANG, [str(cfg_file)], nprocs=2, distributed=True, logs=out, timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pids = _pids(out, 2)
+    for _ in range(250):
+        if not [pid for pid in pids if _alive(pid)]:
+            break
+        time.sleep(0.02)
+    assert [pid for pid in pids if _alive(pid)] == []
+    assert pool.proc is None  # replaced at the next scenario
