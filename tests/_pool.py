@@ -6,9 +6,15 @@ process is paid once per test session. The pytest side (``conftest.py``) talks t
 line per message:
 
 - request: ``{"name", "script", "args", "cwd", "nprocs", "distributed", "env", "logs"}``, optionally ``"grace_s"``
+  and ``"deadline_s"``
 - reply 1: ``{"pgid": ...}`` as soon as the ranks are started (the pytest side kills that group on a timeout)
 - reply 2: ``{"codes": [...]}`` once every rank has exited. When one rank fails, the others get ``grace_s`` seconds
   (``GRACE_S`` by default) to report their own errors, then are killed, as torchrun stops a job whose worker failed.
+  Ranks still running ``deadline_s`` seconds after they started are killed (the server's own bound, behind the pytest
+  side's timeout: it holds even when that side is stopped or stuck).
+
+No process outlives the one that started it: the server gets SIGKILL when its pytest worker dies, however hard (the
+parent-death signal of Linux's ``prctl``), and each rank when the server dies.
 
 The server itself never touches a tensor or a process group, so forking it is safe.
 """
@@ -26,6 +32,18 @@ import time
 from typing import Any
 
 GRACE_S = float(os.environ.get("SCENARIO_POOL_GRACE_S", "30"))
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (the process that started it) dies: a worker killed hard leaves neither
+    the server nor ranks behind. Linux only; elsewhere the server still ends when its stdin closes."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
 
 
 def _preload() -> None:
@@ -88,11 +106,13 @@ def _rank_main(request: dict[str, Any], rank: int) -> int:
 def _start(request: dict[str, Any]) -> list[int]:
     pids: list[int] = []
     pgid = 0
+    server = os.getpid()
     for rank in range(request["nprocs"]):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                _die_with_parent(server)
                 os.setpgid(0, pgid)
                 code = _rank_main(request, rank)
             finally:
@@ -109,9 +129,10 @@ def _start(request: dict[str, Any]) -> list[int]:
     return pids
 
 
-def _wait(pids: list[int], pgid: int, grace_s: float) -> list[int]:
+def _wait(pids: list[int], pgid: int, grace_s: float, deadline_s: float) -> list[int]:
     codes: dict[int, int] = {}
     failed_at: float | None = None
+    deadline = time.monotonic() + deadline_s
     while len(codes) < len(pids):
         for pid in pids:
             if pid in codes:
@@ -125,6 +146,10 @@ def _wait(pids: list[int], pgid: int, grace_s: float) -> list[int]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             failed_at = float("inf")  # killed once; now only reap
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            deadline = float("inf")
         time.sleep(0.02)
     return [codes[pid] for pid in pids]
 
@@ -135,7 +160,9 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    _preload()
+    _die_with_parent(os.getppid())
+    if os.environ.get("SCENARIO_POOL_PRELOAD", "1") != "0":  # 0: the pool's own tests, which run no training
+        _preload()
     _reply({"ready": os.getpid()})
     for line in sys.stdin:
         if not line.strip():
@@ -143,7 +170,8 @@ def main() -> None:
         request = json.loads(line)
         pids = _start(request)
         _reply({"pgid": pids[0], "pids": pids})
-        _reply({"codes": _wait(pids, pids[0], float(request.get("grace_s", GRACE_S)))})
+        grace_s = float(request.get("grace_s", GRACE_S))
+        _reply({"codes": _wait(pids, pids[0], grace_s, float(request.get("deadline_s", "inf")))})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from helpers import free_port
+
 SCENARIOS = Path(__file__).parent / "scenarios"
 DEFAULT_TIMEOUT = 180
 
@@ -206,10 +208,13 @@ class ScenarioPool:
             "cwd": str(SCENARIOS),
             "nprocs": nprocs,
             "distributed": distributed,
-            "port": _free_port(),
+            "port": free_port(),
             "env": _env(),
             "logs": str(logs),
             **({"grace_s": grace_s} if grace_s is not None else {}),
+            # the server's own bound, should this side not get to kill the ranks at ``timeout`` (the stack dump
+            # and the kill take a few seconds)
+            "deadline_s": timeout + 60,
         }
         started: dict[str, Any] | None = None
         try:
@@ -223,7 +228,6 @@ class ScenarioPool:
                 _dump_stacks(started["pgid"])  # into each rank's stderr log, shown below
                 _kill_leftovers(started["pgid"])  # every rank of this scenario; the pool then reaps them
                 self._read(timeout=30)
-                pytest.fail(f"scenario {name} hung for more than {timeout}s:\n{_logs(logs, nprocs)}")
         except (EOFError, OSError, ValueError) as err:
             if started is not None:
                 _kill_leftovers(started["pgid"])  # ranks the dead server can no longer stop or reap
@@ -231,6 +235,15 @@ class ScenarioPool:
             pytest.fail(
                 f"the scenario pool failed while running {name} ({err}); it was replaced:\n{_logs(logs, nprocs)}"
             )
+        except BaseException:
+            # pytest-timeout or Ctrl-C (KeyboardInterrupt): the ranks sit in their own process group, so nothing
+            # else would stop them; the server may be mid-reply, so the next scenario gets a fresh one
+            if started is not None:
+                _kill_leftovers(started["pgid"])
+            self.close()
+            raise
+        if done is None:
+            pytest.fail(f"scenario {name} hung for more than {timeout}s:\n{_logs(logs, nprocs)}")
         codes = done["codes"]
         returncode = next((code for code in codes if code != 0), 0)
         cmd = [sys.executable, str(script), *args]
@@ -252,14 +265,6 @@ def _logs(logs: Path, nprocs: int) -> str:
         for r in range(nprocs)
         for stream in ("stdout", "stderr")
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _POOL: ScenarioPool | None = None
@@ -311,7 +316,8 @@ def scenario(tmp_path: Path):
 @pytest.fixture
 def small_tmpfs(tmp_path: Path):
     """``small_tmpfs("8m")`` mounts a tmpfs of that size under ``tmp_path`` (unmounted afterwards): a disk that fills
-    up for real. Skips where mounting is not permitted (it needs root or CAP_SYS_ADMIN)."""
+    up for real. Skips where mounting is not permitted (it needs root or CAP_SYS_ADMIN), except under CI (``CI=true``),
+    which runs as root: there a test that cannot mount fails rather than passing without checking anything."""
     mounted: list[Path] = []
 
     def mount(size: str) -> Path:
@@ -322,15 +328,102 @@ def small_tmpfs(tmp_path: Path):
                 ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
             )
         except FileNotFoundError:
-            pytest.skip("no mount command here to make a small tmpfs")
+            _skip_outside_ci("no mount command here to make a small tmpfs")
         if proc.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
+            _skip_outside_ci(f"cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
         mounted.append(where)
         return where
 
     yield mount
     for where in mounted:
         subprocess.run(["umount", "--lazy", str(where)], capture_output=True)
+
+
+def _skip_outside_ci(reason: str) -> None:
+    """Skip with ``reason``; under CI (``CI=true``, where everything a test needs is installed and the suite runs as
+    root) fail instead, so that a test cannot pass there without checking anything."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"under CI=true this test must run, not skip: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory):
+    """``reference_run(max_steps=5, module={"batch_size": 8}, ...)``: ``final.pt`` of a one-process run of
+    ``scenarios/train.py`` with Lightning's default strategy, run once per configuration and kept for the session
+    (many tests compare with the same reference)."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(**cfg: Any) -> dict[str, Any]:
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in runs:
+            where = tmp_path_factory.mktemp("reference")
+            runs[key] = run_script("train.py", {**cfg, "strategy": "reference"}, where).final()
+        return runs[key]
+
+    return run
+
+
+FAKES = Path(__file__).parent / "fakes"
+_COLLECTIVES = ("init_process_group", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
+_COLLECTIVES += ("reduce_scatter", "reduce")
+
+
+def _drop_fake_modules() -> None:
+    for name in [m for m in sys.modules if m == "habana_frameworks" or m.startswith("habana_frameworks.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_gaudi(monkeypatch: pytest.MonkeyPatch):
+    """The Gaudi double for one test; returns a function giving the calls the double recorded."""
+    with gaudi_double(monkeypatch) as calls:
+        yield calls
+
+
+@contextlib.contextmanager
+def gaudi_double(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Put the Gaudi double (``tests/fakes``) on sys.path; undo everything it patched on leaving: the environment,
+    the collectives its ``hccl`` wraps, the ``hccl`` backend it registers with torch and the ``hpu_backend`` it
+    registers with dynamo (``monkeypatch`` restores its part when it is undone)."""
+    import torch.distributed as dist
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in ("PT_HPU_LAZY_MODE", "PT_HPU_EAGER_PIPELINE_ENABLE"):  # recorded, so restored after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, getattr(dist, name))  # restored after the test
+    backend = dist.Backend
+    tables = [backend.backend_list, backend.default_device_backend_map, backend.backend_type_map]
+    tables += [backend.backend_capability, backend._plugins, _COMPILER_FNS]
+    saved = [table.copy() for table in tables]
+    had_hccl = hasattr(backend, "HCCL")
+    _drop_fake_modules()
+    try:
+        yield lambda: __import__("habana_frameworks").CALLS
+    finally:
+        _restore(tables, saved, had_hccl)
+
+
+def _restore(tables: list[Any], saved: list[Any], had_hccl: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.Backend
+    _drop_fake_modules()
+    for table, before in zip(tables, saved, strict=True):
+        table.clear()
+        if isinstance(table, dict):
+            table.update(before)
+        else:
+            table.extend(before)
+    if not had_hccl and hasattr(backend, "HCCL"):
+        delattr(backend, "HCCL")
+    if hasattr(torch, "hpu"):
+        delattr(torch, "hpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

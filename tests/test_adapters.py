@@ -11,8 +11,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
+from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals, torch_internals
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
@@ -160,7 +162,23 @@ def test_module_and_autograd_internals():
     assert not torch_internals.in_backward()
     Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
     assert seen == [True]
-    assert torch_internals.has_hpu_kernel("fsdp::all_gather_copy_in") in (True, False)
+
+
+def test_has_hpu_kernel_tells_an_op_with_an_hpu_kernel_from_one_without():
+    """What ``doctor`` reports for FSDP2 on Gaudi: two ops of our own, one given an HPU kernel, and aten's ``add``
+    (no HPU kernel in a CPU build of torch)."""
+    from lightning_gaudi_fsdp.adapters import torch_internals
+
+    lib = torch.library.Library("lgf_test_kernels", "DEF")
+    for name in ("on_hpu", "cpu_only"):
+        lib.define(f"{name}(Tensor x) -> Tensor")
+    lib.impl("on_hpu", lambda x: x, "HPU")
+    lib.impl("cpu_only", lambda x: x, "CPU")
+    assert torch_internals.has_hpu_kernel("lgf_test_kernels::on_hpu") is True
+    assert torch_internals.has_hpu_kernel("lgf_test_kernels::cpu_only") is False
+    assert torch_internals.has_hpu_kernel("aten::add.Tensor") is False
+    if Version("2.9") <= _compat.TORCH_VERSION:  # checked in torch 2.9 and 2.13: FSDP2's copy-in ops have HPU kernels
+        assert torch_internals.has_hpu_kernel("fsdp::all_gather_copy_in") is True
 
 
 def test_activation_checkpointing_wrapper():

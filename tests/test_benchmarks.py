@@ -46,7 +46,9 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
 
     summary = {row["measurement"]: row for row in results["summary"]}
     assert summary["full save / torch.save"]["target"] == "<= 1.5"
-    assert set(summary["full save / torch.save"]["met"]) == set(ENGINES)
+    row = summary["full save / torch.save"]
+    # each engine's verdict is its own ratio against the target (a smoke run's ratios may land either side of it)
+    assert row["met"] == {engine: row[engine] <= 1.5 for engine in ENGINES}, row
     assert summary["full save / torch.save without CRC32s"]["target"] == "<= 1.2"
     assert all(summary["full save / torch.save without CRC32s"][engine] > 0 for engine in ENGINES)
     in_fit = summary["full save inside fit / torch.save without CRC32s (paired per step)"]
@@ -61,6 +63,7 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
         assert text in proc.stdout
 
 
+@pytest.mark.timeout(500)  # the smoke run's own 400 s, then the checks
 def test_benchmark_checkpoint_section_smoke_run_writes_ratios_and_chart(tmp_path):
     """The default run's representative of the benchmarks: the checkpoint section (saves in every format, async,
     reshard loads) for both engines, its summary rows and the chart. The whole smoke run is under ``-m slow``."""
@@ -70,6 +73,7 @@ def test_benchmark_checkpoint_section_smoke_run_writes_ratios_and_chart(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)
 def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
     proc, results = _smoke(tmp_path)
 
@@ -97,6 +101,7 @@ def test_benchmark_smoke_run_writes_ratios_and_chart(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)
 def test_pretrained_benchmark_smoke_run(tmp_path):
     """The pretrained-weights section (kept out of the default smoke run: its workers import transformers)."""
     from conftest import run_command
@@ -114,6 +119,7 @@ def test_pretrained_benchmark_smoke_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)
 def test_resume_benchmark_smoke_run_prints_every_row(tmp_path):
     """The resume section (``--smoke --only resume``: 2 and 4 layers of width 32, both engines, sharded, local and full,
     the reshards, the memory restoring needs): its table and summary rows are printed and the JSON holds every

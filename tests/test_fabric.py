@@ -4,7 +4,6 @@ precision plugin, and the Gaudi path against the habana_frameworks test double."
 from __future__ import annotations
 
 import inspect
-import os
 import pydoc
 import typing
 
@@ -16,7 +15,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from lightning_gaudi_fsdp import GaudiFSDPStrategy as TrainerStrategy
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.precision import GaudiFabricFSDPPrecision
-from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 
 def _own(door: type) -> tuple[str, ...]:
@@ -165,25 +163,7 @@ def test_fabric_precision_autocasts_on_the_device_in_use():
         fabric.strategy.precision = object()
 
 
-def test_hpu_fabric_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch):  # noqa: F811
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
-    monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")  # restored after the test
-    fabric = L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(eager_pipeline=False))
-    strategy = fabric.strategy
-    assert strategy._get_process_group_backend() == "hccl"
-    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
-    assert os.environ["PT_HPU_LAZY_MODE"] == "0"  # set by the launcher configuration, before any process
-    assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
-    strategy.precision.set_device_type(strategy.root_device.type)
-    assert strategy.precision.device_type == "hpu"
-
-
-def test_hpu_fabric_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # read once, when the bridge loads
-    with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
-        L.Fabric(accelerator="hpu", devices=2, strategy="gaudi_fsdp")
-    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
-        L.Fabric(accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(process_group_backend="gloo"))
+# the hpu checks of both doors (hccl, device, environment, autocast, refusals): test_gaudi.py
 
 
 def test_restoring_state_entries_in_place():

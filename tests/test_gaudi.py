@@ -5,38 +5,17 @@ from __future__ import annotations
 import os
 import re
 import sys
-from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import FAKES, _drop_fake_modules, gaudi_double
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, gaudi
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
-
-FAKES = Path(__file__).parent / "fakes"
-
-
-def _drop_fake_modules() -> None:
-    for name in [m for m in sys.modules if m == "habana_frameworks" or m.startswith("habana_frameworks.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def fake_gaudi(monkeypatch):
-    """Put the double on sys.path; undo everything it patched when the test ends."""
-    monkeypatch.syspath_prepend(str(FAKES))
-    for name in ("PT_HPU_LAZY_MODE", "PT_HPU_EAGER_PIPELINE_ENABLE"):  # recorded, so restored after the test
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(dist, "init_process_group", dist.init_process_group)  # restored after the test
-    _drop_fake_modules()
-    yield lambda: __import__("habana_frameworks").CALLS
-    _drop_fake_modules()
-    if hasattr(torch, "hpu"):
-        delattr(torch, "hpu")
 
 
 def test_without_the_bridge_nothing_is_available(monkeypatch):
@@ -129,71 +108,69 @@ def test_compile_backend_per_device(fake_gaudi):
     assert any(event[0] == "hpu_backend_compiled" for event in fake_gaudi())
 
 
-def _hpu_trainer(strategy: GaudiFSDPStrategy, devices: int = 2) -> L.Trainer:
-    return L.Trainer(accelerator="hpu", devices=devices, strategy=strategy, logger=False)
+DOORS = pytest.mark.parametrize("door", ["trainer", "fabric"])
 
 
-def test_hpu_trainer_uses_hccl_and_the_bridge_device(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
-    trainer = _hpu_trainer(GaudiFSDPStrategy())
-    strategy = trainer.strategy
-    assert strategy._get_process_group_backend() == "hccl"
-    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
-    assert strategy._fsdp_device() == torch.device("hpu", 0)  # always a device, never an index
-    with pytest.raises(RuntimeError, match="index based device selection is not supported on HPU"):
-        torch.hpu.set_device(1)  # the double refuses what the bridge refuses
-
-
-@pytest.mark.parametrize("door", ["trainer", "fabric"])
-@pytest.mark.parametrize("device_id", [1, "hpu:3", torch.device("hpu", 1), "cpu"])
-def test_a_device_id_other_than_hpu_0_is_refused_on_gaudi_before_any_process(fake_gaudi, monkeypatch, door, device_id):
+def _hpu_strategy(door: str, strategy: Any = None, **kwargs: Any) -> Any:
+    """The strategy of a 2-device ``Trainer`` or ``Fabric`` (``door``) on ``accelerator="hpu"``, as built before any
+    process starts; ``strategy``: an instance or a registered name (a default ``GaudiFSDPStrategy`` of the door)."""
     from lightning_gaudi_fsdp import fabric
 
+    if door == "trainer":
+        strategy = strategy if strategy is not None else GaudiFSDPStrategy()
+        return L.Trainer(accelerator="hpu", devices=2, strategy=strategy, logger=False, **kwargs).strategy
+    strategy = strategy if strategy is not None else fabric.GaudiFSDPStrategy()
+    return L.Fabric(accelerator="hpu", devices=2, strategy=strategy, **kwargs).strategy
+
+
+def _door_strategy_class(door: str) -> Any:
+    from lightning_gaudi_fsdp import fabric
+
+    return GaudiFSDPStrategy if door == "trainer" else fabric.GaudiFSDPStrategy
+
+
+@DOORS
+@pytest.mark.parametrize("device_id", [1, "hpu:3", torch.device("hpu", 1), "cpu"])
+def test_a_device_id_other_than_hpu_0_is_refused_on_gaudi_before_any_process(fake_gaudi, monkeypatch, door, device_id):
     monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
     expected = (
         rf"device_id={re.escape(repr(device_id))} is not supported on Gaudi: each process addresses the device the "
         r"bridge gave it as hpu:0 \(index based device selection is not supported on HPU\); expected None, 0, 'hpu', "
         r"'hpu:0' or torch.device\('hpu', 0\)"
     )
-    if door == "trainer":
-        build = lambda: _hpu_trainer(GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
-    else:
-        build = lambda: L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(device_id=device_id))  # noqa: E731
     with pytest.raises(ValueError, match=expected):
-        build()
+        _hpu_strategy(door, _door_strategy_class(door)(device_id=device_id))
     for accepted in (None, 0, "hpu", "hpu:0", torch.device("hpu", 0)):
-        assert _hpu_trainer(GaudiFSDPStrategy(device_id=accepted)).strategy._fsdp_device() == torch.device("hpu", 0)
+        assert _hpu_strategy("trainer", GaudiFSDPStrategy(device_id=accepted))._fsdp_device() == torch.device("hpu", 0)
 
 
-def test_hpu_with_gloo_is_refused_when_the_trainer_is_built(fake_gaudi, monkeypatch):
-    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
-        _hpu_trainer(GaudiFSDPStrategy(process_group_backend="gloo"))
-
-
-def test_launcher_sets_eager_environment_for_launched_processes(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+@DOORS
+def test_hpu_uses_hccl_the_bridge_device_and_the_eager_environment(fake_gaudi, monkeypatch, door):
     monkeypatch.setenv("PT_HPU_EAGER_PIPELINE_ENABLE", "true")
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "")  # monkeypatch restores both variables after the test
     monkeypatch.delenv("PT_HPU_LAZY_MODE")
-    _hpu_trainer(GaudiFSDPStrategy(eager_pipeline=False))  # the launcher is configured here, before any process
+    strategy = _hpu_strategy(door, _door_strategy_class(door)(eager_pipeline=False), precision="bf16-mixed")
+    assert strategy._get_process_group_backend() == "hccl"
+    assert strategy.root_device == torch.device("hpu", 0)  # every process addresses its own device as hpu:0
+    if door == "trainer":
+        assert strategy._fsdp_device() == torch.device("hpu", 0)  # always a device, never an index
+    with pytest.raises(RuntimeError, match="index based device selection is not supported on HPU"):
+        torch.hpu.set_device(1)  # the double refuses what the bridge refuses
+    # the launcher is configured when the door is built, before any process
     assert os.environ["PT_HPU_LAZY_MODE"] == "0"
     assert os.environ["PT_HPU_EAGER_PIPELINE_ENABLE"] == "false"
+    plugin = strategy.precision_plugin if door == "trainer" else strategy.precision
+    plugin.set_device_type(strategy.root_device.type)
+    assert plugin.device_type == "hpu"  # autocast on the device in use
 
 
-def test_lazy_mode_stops_the_launch(fake_gaudi, monkeypatch):
-    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+@DOORS
+def test_hpu_refuses_gloo_and_lazy_mode_before_any_process(fake_gaudi, monkeypatch, door):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")  # read once, when the bridge loads
     with pytest.raises(RuntimeError, match="FSDP cannot run on Gaudi in lazy mode"):
-        _hpu_trainer(GaudiFSDPStrategy())
-
-
-def test_autocast_follows_the_hpu_device_type(fake_gaudi, monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
-    trainer = L.Trainer(
-        accelerator="hpu", devices=2, strategy=GaudiFSDPStrategy(), precision="bf16-mixed", logger=False
-    )
-    plugin = trainer.strategy.precision_plugin
-    plugin.set_device_type(trainer.strategy.root_device.type)
-    assert plugin.device_type == "hpu"
+        _hpu_strategy(door, "gaudi_fsdp")
+    with pytest.raises(ValueError, match="process_group_backend='gloo' is not supported on Gaudi; expected 'hccl'"):
+        _hpu_strategy(door, _door_strategy_class(door)(process_group_backend="gloo"))
 
 
 def test_doctor_with_a_healthy_and_a_lazy_bridge(fake_gaudi, monkeypatch, capsys):
@@ -438,3 +415,27 @@ def test_on_a_bound_hccl_group_background_saves_and_module_sync_work_as_on_gaudi
         assert info["broadcast_error"] is None
         assert info["after_sync"] == run.rank(0)["before_sync"]
     assert run.rank(1)["before_sync"] != run.rank(0)["before_sync"]
+
+
+def test_the_double_is_undone_for_the_tests_after_it():
+    """What the double patches (collectives that refuse AVG, the ``hccl`` backend, ``torch.hpu``, the dynamo
+    backend) must not leak into the tests that run after a Gaudi test in the same process."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    before = (dist.all_reduce, dist.init_process_group, list(dist.Backend.backend_list))
+    with pytest.MonkeyPatch.context() as mp, gaudi_double(mp):
+        import habana_frameworks.torch  # noqa: F401
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401
+        import habana_frameworks.torch.dynamo.compile_backend  # noqa: F401
+
+        assert dist.all_reduce is not before[0]
+        assert "hccl" in dist.Backend.backend_list
+        assert hasattr(torch, "hpu")
+        assert "hpu_backend" in _COMPILER_FNS
+    assert (dist.all_reduce, dist.init_process_group, list(dist.Backend.backend_list)) == before
+    assert not hasattr(dist.Backend, "HCCL")
+    assert "hccl" not in dist.Backend._plugins
+    assert "HCCL" not in dist.Backend._plugins
+    assert not hasattr(torch, "hpu")
+    assert "hpu_backend" not in _COMPILER_FNS
+    assert "habana_frameworks" not in sys.modules

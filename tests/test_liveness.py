@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -163,7 +164,8 @@ def test_a_wait_in_torch_distributed_is_timed_per_call_so_short_waits_never_add_
             sites.add(clock.site)
         time.sleep(0.05)
     assert seen["idle"] == 0.0
-    assert seen["short"] < 0.6, seen
+    # each short wait read alone (on a loaded machine a 0.25 s wait may end late), never the 2 s they add up to
+    assert seen["short"] < 1.5, seen
     assert seen["long"] > 1.8, seen
     assert sites
     assert all(re.fullmatch(r"get_all \(torch/distributed/elastic/utils/store\.py:\d+\)", s) for s in sites), sites
@@ -221,6 +223,16 @@ time.sleep(60)  # a main thread blocked where the loss of the store never reache
 """
 
 
+def _readline(stream: Any, timeout: float) -> str:
+    """The next line of a child's output, failing the test if none comes within ``timeout`` seconds."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        pytest.fail(f"no line from the child within {timeout} s")
+    return stream.readline().strip()
+
+
 def test_a_rank_that_lost_the_store_during_fit_leaves_after_the_bound():
     from torch.distributed import TCPStore
 
@@ -231,7 +243,7 @@ def test_a_rank_that_lost_the_store_during_fit_leaves_after_the_bound():
         [sys.executable, "-c", _HEARTBEAT_CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert child.stdout.readline().strip() == "beating"
+        assert _readline(child.stdout, timeout=60) == "beating"
         assert store.add("lightning_gaudi_fsdp/liveness/0/beat/1", 0) >= 1  # it reached the store
         del store  # its host is gone
         lost = time.monotonic()

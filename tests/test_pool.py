@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -91,3 +92,112 @@ def test_a_failed_rank_s_partner_is_killed_after_the_grace_period(tmp_path):
     assert result.returncode == 3
     assert grace <= elapsed < 30, elapsed
     assert not [pid for pid in _pids(out, 2) if _alive(pid)]
+
+
+# A pytest worker of its own, reduced to what matters: it starts a pool server (without the torch imports, which these
+# checks do not need), has it run a scenario that never ends under a 1 s deadline, then one with no deadline, and
+# prints what the server replied.
+WORKER = """
+import json, subprocess, sys, time
+server = subprocess.Popen([sys.executable, sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env={**json.loads(sys.argv[2]), "SCENARIO_POOL_PRELOAD": "0"}, start_new_session=True)
+print(json.dumps({"server": server.pid, **json.loads(server.stdout.readline())}), flush=True)
+for request in json.loads(sys.argv[3]):
+    server.stdin.write(json.dumps(request) + "\\n")
+    server.stdin.flush()
+    print(server.stdout.readline().strip(), flush=True)
+    if "deadline_s" in request:
+        print(server.stdout.readline().strip(), flush=True)
+time.sleep(600)  # until the test kills this worker
+"""
+
+
+def test_the_pool_bounds_each_scenario_and_dies_with_a_worker_killed_hard(tmp_path):
+    """The server kills a scenario's ranks at its own deadline even when the pytest side never does; a pytest worker
+    killed hard (SIGKILL, as an out-of-memory kill or a CI runner cancelling does) takes the server and the ranks of
+    the scenario it was running with it, although they sit in process groups of their own."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import SCENARIOS, _env
+
+    server, ranks = 0, []
+    requests = []
+    for name, deadline in (("bounded", {"deadline_s": 1}), ("orphaned", {})):
+        out = tmp_path / name
+        out.mkdir()
+        cfg = out / "config.json"
+        cfg.write_text(json.dumps({"out": str(out)}))
+        request = {"script": str(SCENARIOS / HANG), "args": [str(cfg)], "cwd": str(SCENARIOS), "nprocs": 2}
+        requests.append({**request, "distributed": True, "port": 0, "env": _env(), "logs": str(out), **deadline})
+    pool_py = Path(__file__).parent / "_pool.py"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(pool_py), json.dumps(_env()), json.dumps(requests)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        server = json.loads(worker.stdout.readline())["server"]
+        json.loads(worker.stdout.readline())  # the bounded scenario started
+        assert json.loads(worker.stdout.readline()) == {"codes": [-9, -9]}  # killed at its 1 s deadline
+        assert not [pid for pid in _pids(tmp_path / "bounded", 2) if _alive(pid)]
+        json.loads(worker.stdout.readline())  # the orphaned scenario started
+        for _ in range(500):  # its ranks write their pids first thing
+            if all((tmp_path / "orphaned" / f"rank{r}.pid").exists() for r in range(2)):
+                break
+            time.sleep(0.02)
+        ranks = _pids(tmp_path / "orphaned", 2)
+        assert all(_alive(pid) for pid in [server, *ranks])
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        for _ in range(250):
+            if not [pid for pid in [server, *ranks] if _alive(pid)]:
+                break
+            time.sleep(0.02)
+        assert [pid for pid in [server, *ranks] if _alive(pid)] == []
+    finally:
+        worker.kill()
+        worker.wait()
+        for pid in [server, *ranks]:  # whatever a failed check left behind (they are this test's own processes)
+            if pid > 0:  # 0 until read: os.kill(0, ...) would signal this process group
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@needs_session_pool
+def test_an_interrupted_scenario_leaves_no_rank(tmp_path):
+    """Whatever stops the wait (pytest-timeout's signal, Ctrl-C): the scenario's ranks, in their own process group,
+    are killed before the exception goes on, and the next scenario gets a fresh pool."""
+    import signal
+
+    from conftest import SCENARIOS, _scenario_pool
+
+    class Interrupted(BaseException):  # as KeyboardInterrupt: not an Exception
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    pool = _scenario_pool()
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps({"out": str(out)}))
+    pool._ensure()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 5.0)
+        with pytest.raises(Interrupted):
+            pool.run(SCENARIOS / HANG, [str(cfg_file)], nprocs=2, distributed=True, logs=out, timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pids = _pids(out, 2)
+    for _ in range(250):
+        if not [pid for pid in pids if _alive(pid)]:
+            break
+        time.sleep(0.02)
+    assert [pid for pid in pids if _alive(pid)] == []
+    assert pool.proc is None  # replaced at the next scenario

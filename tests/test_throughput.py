@@ -11,7 +11,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, fabric, gaudi
 from lightning_gaudi_fsdp.throughput import FabricMonitor, PeakFlops, ThroughputMonitor, peak_flops, summary
-from test_gaudi import fake_gaudi  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.versions  # Lightning's private Throughput list is used: checked on every pairing
 
@@ -35,7 +34,7 @@ def _mfu(monitor: ThroughputMonitor, flops_per_batch: float, seconds_per_batch: 
     return throughput.compute()["device/mfu"]
 
 
-def test_trainer_on_gaudi2_divides_by_the_bf16_peak(fake_gaudi, monkeypatch, caplog):  # noqa: F811
+def test_trainer_on_gaudi2_divides_by_the_bf16_peak(fake_gaudi, monkeypatch, caplog):
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI2")
     trainer = _trainer("hpu", precision="bf16-mixed")
     caplog.set_level(logging.INFO)
@@ -46,7 +45,7 @@ def test_trainer_on_gaudi2_divides_by_the_bf16_peak(fake_gaudi, monkeypatch, cap
     assert "MFU against the Gaudi 2 peak bf16 432 TFLOP/s" in caplog.text
 
 
-def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fake_gaudi, monkeypatch):  # noqa: F811
+def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fake_gaudi, monkeypatch):
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
     trainer = _trainer("hpu", precision="bf16-mixed")
     assert _monitor_after_setup(trainer, dtype="fp8").available_flops == 1835e12
@@ -55,7 +54,7 @@ def test_trainer_on_gaudi3_takes_fp8_when_asked_and_bf16_from_mixed_precision(fa
     assert _monitor_after_setup(trainer).available_flops == 1835e12
 
 
-def test_trainer_monitor_waits_for_the_gaudi_device_before_timing_a_batch(fake_gaudi, monkeypatch):  # noqa: F811
+def test_trainer_monitor_waits_for_the_gaudi_device_before_timing_a_batch(fake_gaudi, monkeypatch):
     trainer = _trainer("hpu", precision="bf16-mixed")
     monitor = _monitor_after_setup(trainer)
     module = L.LightningModule()
@@ -68,13 +67,13 @@ def test_trainer_monitor_waits_for_the_gaudi_device_before_timing_a_batch(fake_g
 
 
 @pytest.mark.fsdp2
-def test_fsdp2_mixed_precision_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):  # noqa: F811
+def test_fsdp2_mixed_precision_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI2")
     strategy = GaudiFSDPStrategy(fsdp_version=2, mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32"})
     assert _monitor_after_setup(_trainer("hpu", strategy=strategy)).available_flops == 432e12
 
 
-def test_fp32_compute_and_an_unknown_generation_say_why_there_is_no_mfu(fake_gaudi, monkeypatch):  # noqa: F811
+def test_fp32_compute_and_an_unknown_generation_say_why_there_is_no_mfu(fake_gaudi, monkeypatch):
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
     monitor = _monitor_after_setup(_trainer("hpu"))
     assert monitor.available_flops is None
@@ -95,7 +94,7 @@ def test_cpu_rehearsal_reports_throughput_and_says_mfu_is_not_available(caplog):
     assert "MFU not available: no published peak FLOPs for 'cpu' devices" in caplog.text
 
 
-def test_fabric_on_gaudi3_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):  # noqa: F811
+def test_fabric_on_gaudi3_divides_by_the_bf16_peak(fake_gaudi, monkeypatch):
     monkeypatch.setenv("FAKE_HPU_NAME", "GAUDI3")
     f = L.Fabric(accelerator="hpu", devices=2, strategy=fabric.GaudiFSDPStrategy(), precision="bf16-mixed")
     f._launched = True  # what fabric.launch() records; the CPU torch build cannot start an hpu process group

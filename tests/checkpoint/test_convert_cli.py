@@ -12,11 +12,16 @@ import sys
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 from lightning_gaudi_fsdp.cli import main
 
-BLOCK = "common.Block"
 PARAMS = 3 * (16 * 16 + 16 + 16 + 16) + 17  # three blocks and the head of tests/scenarios/common.Net
+
+
+# the module's three runs (180 s each) set up inside whichever test comes first; one test waits 300 s for Lightning's
+# consolidate_checkpoint
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

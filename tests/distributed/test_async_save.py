@@ -11,9 +11,8 @@ import json
 import re
 
 from distributed.test_resume import resumes_in_a_later_epoch
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
-
-BLOCK = "common.Block"
 
 
 def _strategy(fmt: str, **extra):

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 
-BLOCK = "common.Block"
 MODULE = {"n_samples": 64}
 
 

@@ -14,9 +14,9 @@ import torch
 
 from conftest import SCENARIOS
 from distributed.test_resume import _assert_equal_nested  # bitwise, nested
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 
-BLOCK = "common.Block"
 FABRIC = "fabric_loop.py"
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, _env, _free_port
+from conftest import SCENARIOS, _env
+from helpers import BLOCK, free_port
 
-BLOCK = "common.Block"
 BOUND_S = 15  # the strategy's failure_timeout in these runs
 STARTUP_S = 25  # a survivor still importing torch when the victim died starts its own bounded wait that much later
 ALLOWED_S = BOUND_S + STARTUP_S  # from the kill to the last process of the job gone; the default bound (60) is above
@@ -112,7 +112,7 @@ def run_job(launcher: str, cfg: dict, tmp_path: Path, timeout: float = 240, unde
     token = uuid.uuid4().hex
     logs, procs = [], []
     started = time.monotonic()
-    for i, (cmd, extra) in enumerate(_commands(launcher, cfg_file, _free_port())):
+    for i, (cmd, extra) in enumerate(_commands(launcher, cfg_file, free_port())):
         env = {**_env(), MARK: token, **extra}
         log = tmp_path / f"process{i}.log"
         logs.append(log)

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-BLOCK = "common.Block"
-
-
-def _assert_close_weights(a, b, atol=1e-5):
-    assert sorted(a) == sorted(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-
-
-def _changed(a, b) -> bool:
-    return any(not torch.allclose(a[k], b[k]) for k in a)
+from helpers import BLOCK, assert_close_weights, changed
 
 
 @pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
 @pytest.mark.parametrize(("algorithm", "value"), [("norm", 0.05), ("value", 0.002)])
-def test_gradient_clipping_matches_one_process(scenario, algorithm, value, engine):
+def test_gradient_clipping_matches_one_process(scenario, reference_run, algorithm, value, engine):
     module = {"optimizer": "sgd", "scheduler": False, "lr": 0.5}
     trainer = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
-    ref = scenario(
-        {"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}, "trainer": trainer}
-    ).final()
+    ref = reference_run(max_steps=3, module={**module, "batch_size": 8}, trainer=trainer)
     got = scenario(
         {
             "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
@@ -35,16 +26,16 @@ def test_gradient_clipping_matches_one_process(scenario, algorithm, value, engin
             "trainer": trainer,
         }
     ).final()
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
     # clipping really bit: without it the weights end elsewhere
-    unclipped = scenario({"strategy": "reference", "max_steps": 3, "module": {**module, "batch_size": 8}}).final()
-    assert _changed(unclipped["weights"], ref["weights"])
+    unclipped = reference_run(max_steps=3, module={**module, "batch_size": 8})
+    assert changed(unclipped["weights"], ref["weights"])
 
 
 @pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
-def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario, engine):
-    ref = scenario({"strategy": "reference", "max_steps": 3, "module": {"batch_size": 8}}).final()
+def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scenario, reference_run, engine):
+    ref = reference_run(max_steps=3, module={"batch_size": 8})
     got = scenario(
         {
             "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
@@ -54,19 +45,39 @@ def test_gradient_accumulation_matches_one_process_on_the_accumulated_batch(scen
         }
     ).final()
     assert got["step"] == ref["step"] == 3
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
+
+
+# plain SGD: AdamW would turn a rounding difference in a near-zero gradient into a whole step of the learning rate
+PLAIN_SGD = {"optimizer": "sgd", "scheduler": False, "lr": 0.05}
+# Two ranks reduce in another order than one process sums: in bf16, a rounding step or two apart (measured: 9e-4
+# bf16-mixed, 2e-3 bf16-true, weights moving 0.18 in the 4 steps). 16-mixed is compared for movement only: both engines
+# end 0.1 away from one process (the same 0.1 on both; not investigated further: FSDP runs in fp16 parameters where
+# one process autocasts, so its scaler sees other overflows).
+PRECISION_ATOL = {"32-true": 1e-5, "bf16-mixed": 5e-3, "bf16-true": 1e-2}
 
 
 @pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
-def test_precision_matrix_trains(scenario, precision, engine):
+def test_precision_matrix_trains_like_one_process(scenario, reference_run, precision, engine):
+    """Each precision trains as one process does on the global batch, at that precision (a 16-mixed run whose
+    scaler skipped every step, or a bf16 run that never autocast, ends elsewhere), and the weights moved."""
     run = scenario(
         {
             "strategy": {"auto_wrap_policy": [BLOCK], "fsdp_version": engine},
             "trainer": {"precision": precision},
             "max_steps": 4,
+            "module": {**PLAIN_SGD, "batch_size": 4},
         }
     )
+    ref = reference_run(max_steps=4, module={**PLAIN_SGD, "batch_size": 8}, trainer={"precision": precision})
+    got = run.final()
+    assert got["step"] == ref["step"] == 4
+    if precision != "16-mixed":
+        assert_close_weights(got["weights"], ref["weights"], atol=PRECISION_ATOL[precision])
+    initial = reference_run(max_steps=0, module={"batch_size": 8})["weights"]
+    # a loss scaler that skipped every step leaves the weights where they started
+    assert changed({k: v.float() for k, v in got["weights"].items()}, initial)
     info = run.rank(0)
     assert info["global_step"] == 4
     assert all(torch.isfinite(torch.tensor(info["losses"])))
@@ -109,11 +120,11 @@ def test_validate_test_predict_from_each_checkpoint_format(scenario, tmp_path, f
 
 @pytest.mark.parametrize("engine", [1, 2])
 @pytest.mark.versions
-def test_manual_optimization_matches_one_process(scenario, engine):
+def test_manual_optimization_matches_one_process(scenario, reference_run, engine):
     # manual_backward, clip_gradients by norm, opt.step and a scheduler stepped by hand, with activation
     # checkpointing (its recomputation runs FSDP units during backward) and the default AdamW.
     module = {"manual": True, "manual_clip_norm": 0.05}
-    ref = scenario({"strategy": "reference", "max_steps": 4, "module": {**module, "batch_size": 8}}).final()
+    ref = reference_run(max_steps=4, module={**module, "batch_size": 8})
     got = scenario(
         {
             "strategy": {
@@ -127,9 +138,8 @@ def test_manual_optimization_matches_one_process(scenario, engine):
     ).final()
     assert got["step"] == ref["step"] == 4
     assert got["lr"] == ref["lr"]
-    _assert_close_weights(got["weights"], ref["weights"])
-    initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()
-    assert _changed(initial["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
+    assert changed(reference_run(max_steps=0, module={"batch_size": 8})["weights"], ref["weights"])
 
 
 @pytest.mark.fsdp2
@@ -144,7 +154,7 @@ def test_manual_optimization_on_fsdp2_may_call_a_submodule_directly(scenario):
             "module": {**module, "batch_size": 4},
         }
     ).final()
-    _assert_close_weights(got["weights"], ref["weights"])
+    assert_close_weights(got["weights"], ref["weights"])
 
 
 def test_manual_optimization_calling_a_submodule_directly_is_a_clear_error(scenario):
@@ -164,10 +174,31 @@ def test_manual_optimization_calling_a_submodule_directly_is_a_clear_error(scena
     )
 
 
-def test_parameter_groups_with_use_orig_params(scenario):
-    info = scenario({"case": "groups", "strategy": {"auto_wrap_policy": [BLOCK]}}, script="features.py").rank(0)
-    assert info["groups"] == 2
-    assert sum(info["losses"][-8:]) < sum(info["losses"][:8])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(
+            1,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="FSDP1 (use_orig_params=True) shows configure_optimizers each parameter as its flat 1-D shard, "
+                "so grouping by p.ndim puts every parameter in the no-decay group: weight decay is silently lost",
+            ),
+        ),
+        2,
+    ],
+)
+def test_parameter_groups_with_use_orig_params_train_like_one_process(scenario, engine):
+    """Two groups (no weight decay on norms and biases, chosen by name and ``p.ndim`` as users write it) hold the
+    same parameters and train as the same groups do in one process: decay applied to a norm, or lost on a weight,
+    ends elsewhere."""
+    strategy = {"auto_wrap_policy": [BLOCK], "fsdp_version": engine}
+    run = scenario({"case": "groups", "strategy": strategy}, script="features.py")
+    ref = scenario({"case": "groups", "strategy": "reference", "module": {"batch_size": 8}}, script="features.py")
+    assert ref.rank(0)["groups"] == [4, 10]  # the 3 blocks' and the head's weight matrices; norms and biases
+    assert run.rank(0)["groups"] == ref.rank(0)["groups"]
+    got, expected = (torch.load(r.out / "weights.pt") for r in (run, ref))
+    assert_close_weights(got, expected, atol=1e-5)
 
 
 def test_parameter_groups_without_use_orig_params_is_a_clear_error(scenario):
@@ -189,7 +220,12 @@ def test_checkpoint_early_stopping_and_lr_monitor(scenario, tmp_path):
     info = run.rank(0)
     assert info["stopped"] is True
     assert info["epochs_run"] < 10
-    assert info["best"].endswith(".ckpt")
+    best = Path(info["best"])
+    assert best.name.endswith(".ckpt")
+    assert (best / "meta.pt").is_file()  # a sharded checkpoint, written
+    # every rank kept the same best checkpoint, and it loads: validating from it gives the score it was kept for
+    assert [json.loads((run.out / f"rank{r}_best.json").read_text())["best"] for r in (0, 1)] == [str(best)] * 2
+    assert info["best_val_loss"] == pytest.approx(info["best_score"], abs=1e-6)
     assert info["lr_logged"] is True
 
 

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import lightning as L
 import torch
 
+from helpers import BLOCK, free_port
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
-
-BLOCK = "common.Block"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_nodes(
@@ -29,7 +21,7 @@ def _two_nodes(
 
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(cfg))
-    port = _free_port()
+    port = free_port()
     cmds = [
         [
             sys.executable,
@@ -125,6 +117,9 @@ def test_slurm_environment_resolves_ranks(monkeypatch):
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning's SLURMEnvironment writes them into os.environ: undone after
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=GaudiFSDPStrategy(), logger=False)
     strategy = trainer.strategy
     assert type(strategy.cluster_environment).__name__ == "SLURMEnvironment"

@@ -26,12 +26,12 @@ import torch
 
 from distributed import test_resume
 from distributed.test_failure_matrix import run_job
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint import convert
 
 uninterrupted = test_resume.uninterrupted  # the fixture: 8 steps without stopping, once per configuration
 _assert_same_run = test_resume._assert_same_run
 
-BLOCK = "common.Block"
 GRACE_S = 20  # the preemption_grace of these runs (the default is 25)
 SIGNAL_STEP = 1  # the SIGTERM lands during step 2 of 4 of the first epoch: the save point is mid-epoch
 EXIT_CODE = 75

@@ -10,17 +10,18 @@ import contextlib
 import io
 import json
 import re
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 from lightning_gaudi_fsdp.checkpoint.formats import OPTIMIZER_GROUPS_KEY
 from scenarios.common import LIGHTNING_DEFAULTS
 
-BLOCK = "common.Block"
 STEPS_PER_EPOCH = 4  # 32 samples, 4 per rank, 2 ranks: resuming at an epoch boundary replays no batch
 
 
@@ -386,6 +387,19 @@ def test_weights_only_checkpoint_restores_weights(scenario, tmp_path):
     saved = torch.load(dirpath / "weights.ckpt" / "meta.pt", weights_only=False)
     assert "optimizer_states" not in saved
     assert first.final()["step"] == 4
+    # it holds the weights: consolidated and loaded into a fresh plain module, they are the run's, bitwise
+    sys.path.insert(0, str(__import__("conftest").SCENARIOS))
+    from common import Module
+
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
+    assert convert(dirpath / "weights.ckpt", tmp_path / "weights.full", "full") == []
+    fresh = Module()
+    fresh.load_state_dict(torch.load(tmp_path / "weights.full", weights_only=False)["state_dict"])
+    loaded = {k.removeprefix("net."): v for k, v in fresh.state_dict().items()}
+    assert sorted(loaded) == sorted(first.final()["weights"])
+    for key, value in first.final()["weights"].items():
+        assert torch.equal(loaded[key], value), key
 
 
 @pytest.mark.parametrize("use_orig_params", [pytest.param(True, marks=VERSIONS), False])

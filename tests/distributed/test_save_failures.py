@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from helpers import BLOCK
 from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
 
-BLOCK = "common.Block"
 FORMATS = ("full", "sharded", "local")
 BOUND_S = 150  # the whole run: start-up, 8 cases of two saves each, a few steps
 EXIT_BOUND_S = 30  # from the last, uncaught failure to every process gone

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-BLOCK = "common.Block"
+from helpers import BLOCK
 
 
 def _soak(scenario, tmp_path, steps: int, every: int):
@@ -49,10 +49,12 @@ def _soak(scenario, tmp_path, steps: int, every: int):
     assert len([p for p in dirpath.iterdir() if not p.name.startswith(".")]) == 2
 
 
+@pytest.mark.timeout(2100)  # the scenario's own 1800 s, and the straight run after it
 def test_soak_short(scenario, tmp_path):
     _soak(scenario, tmp_path, steps=60, every=10)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2100)
 def test_soak_full(scenario, tmp_path):
     _soak(scenario, tmp_path, steps=500, every=25)

@@ -6,16 +6,8 @@ import json
 import math
 
 import pytest
-import torch
 
-BLOCK = "common.Block"
-
-
-def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-
+from helpers import BLOCK, assert_close_weights, changed
 
 ENGINES = pytest.mark.parametrize("engine", [1, 2])
 
@@ -38,23 +30,30 @@ HELD = {
         (2, "HYBRID_SHARD", 4),
     ],
 )
-def test_two_ranks_match_one_process_on_the_global_batch(scenario, engine, sharding, devices):
+def test_two_ranks_match_one_process_on_the_global_batch(scenario, reference_run, engine, sharding, devices):
     steps = 5
-    reference = scenario({"strategy": "reference", "max_steps": steps, "module": {"batch_size": 8}})
+    # SGD with momentum: AdamW's update does not change when a gradient is scaled, so it could not tell a unit whose
+    # gradients were summed over the ranks from one whose gradients were averaged
+    optimizer = {"optimizer": "sgd_momentum"}
+    ref = reference_run(max_steps=steps, module={**optimizer, "batch_size": 8})  # one run for every case
     strategy = {"sharding_strategy": sharding, "auto_wrap_policy": [BLOCK], "fsdp_version": engine}
     if devices == 4:
         strategy["device_mesh"] = [2, 2]
     sharded = scenario(
-        {"strategy": strategy, "devices": devices, "max_steps": steps, "module": {"batch_size": 8 // devices}}
+        {
+            "strategy": strategy,
+            "devices": devices,
+            "max_steps": steps,
+            "module": {**optimizer, "batch_size": 8 // devices},
+        }
     )
-    ref, got = reference.final(), sharded.final()
+    got = sharded.final()
     assert got["step"] == ref["step"] == steps
     if devices == 2:
         assert HELD[engine] in sharded.proc.stdout + sharded.proc.stderr
-    _assert_same_weights(got["weights"], ref["weights"], atol=1e-5)
+    assert_close_weights(got["weights"], ref["weights"], atol=1e-5)
     # the run really moved the weights (a parity test on untouched weights proves nothing)
-    initial = scenario({"strategy": "reference", "max_steps": 0, "module": {"batch_size": 8}}).final()["weights"]
-    assert any(not torch.allclose(initial[k], ref["weights"][k]) for k in initial)
+    assert changed(reference_run(max_steps=0, module={"batch_size": 8})["weights"], ref["weights"])
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +225,7 @@ def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):
 
 @ENGINES
 @pytest.mark.versions
-def test_compile_compiles_each_unit(scenario, engine):
+def test_compile_compiles_the_root_in_place_and_trains_like_an_uncompiled_run(scenario, reference_run, engine):
     run = scenario(
         {
             "strategy": {"auto_wrap_policy": [BLOCK], "compile": True, "fsdp_version": engine},
@@ -235,8 +234,12 @@ def test_compile_compiles_each_unit(scenario, engine):
         }
     )
     info = run.rank(0)
-    assert info["compiled_modules"] == 1  # the FSDP root, compiled in place
+    assert info["compiled_modules"] == 1  # the FSDP root, compiled in place: dynamo traces each unit inside it
     assert info["dynamo_frames_ok"] > 0
+    # the same steps as without compile (one process on the global batch: the 2-rank uncompiled run equals it, above)
+    ref = reference_run(max_steps=2, module={"batch_size": 8})
+    assert_close_weights(run.final()["weights"], ref["weights"], atol=1e-5)
+    assert changed(reference_run(max_steps=0, module={"batch_size": 8})["weights"], ref["weights"])
 
 
 @pytest.mark.versions

@@ -8,6 +8,10 @@ import pytest
 BLOCKED = "needs posix.system, which safe loading (weights_only=True) refuses; nothing in it was run"
 
 
+# the module's scenario may run for 300 s inside whichever test sets it up first
+pytestmark = pytest.mark.timeout(420)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from conftest import run_script

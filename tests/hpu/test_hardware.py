@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import BLOCK
+
 pytestmark = pytest.mark.hpu
-BLOCK = "common.Block"
 
 
 ENGINES = pytest.mark.parametrize("engine", [1, 2])

@@ -79,10 +79,11 @@ class Collectives(Callback):
 
 
 def _trainer(cfg: dict[str, Any], **kwargs: Any) -> L.Trainer:
+    reference = cfg.get("strategy") == "reference"  # one process with Lightning's default strategy
     base: dict[str, Any] = dict(
         accelerator="cpu",
-        devices=2,
-        strategy=GaudiFSDPStrategy(**cfg.get("strategy", {})),
+        devices=1 if reference else 2,
+        strategy="auto" if reference else GaudiFSDPStrategy(**cfg.get("strategy", {})),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -127,7 +128,7 @@ def main() -> None:
                 x = next(iter(fresh.val_dataloader()))[0]
                 result[f"{source}_predict_matches_plain_model"] = bool(torch.allclose(preds[0], net(x), atol=1e-6))
     elif case == "groups":
-        module = GroupsModule(n_samples=64)
+        module = GroupsModule(n_samples=64, **cfg.get("module", {}))
         losses: list[float] = []
 
         class Record(Callback):
@@ -136,7 +137,15 @@ def main() -> None:
 
         trainer = _trainer(cfg, max_epochs=4, callbacks=[Record()], limit_val_batches=0)
         trainer.fit(module)
-        result.update(losses=losses, steps=trainer.global_step, groups=len(trainer.optimizers[0].param_groups))
+        groups = trainer.optimizers[0].param_groups
+        result.update(losses=losses, steps=trainer.global_step, groups=[len(g["params"]) for g in groups])
+        model = trainer.strategy.model
+        if cfg.get("strategy") == "reference":
+            weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        else:
+            weights = engine_of(model).model_state_dict(model, "full", "cpu")
+        if trainer.global_rank == 0:
+            torch.save({k.removeprefix("net."): v for k, v in weights.items()}, out / "weights.pt")
     elif case == "callbacks":
         module = SyncModule(n_samples=64)
         ckpt_dir = out / "ckpts"
@@ -155,12 +164,17 @@ def main() -> None:
             log_every_n_steps=1,
         )
         trainer.fit(module)
+        best = callbacks[0].best_model_path
         result.update(
             epochs_run=trainer.current_epoch,
             stopped=bool(callbacks[1].stopped_epoch),
-            best=str(callbacks[0].best_model_path),
+            best=str(best),
+            best_score=float(callbacks[0].best_model_score),
             lr_logged="lr-AdamW" in (out / "logs" / "run" / "version_0" / "metrics.csv").read_text(),
         )
+        # the best checkpoint loads: validating from it gives the score it was kept for
+        result["best_val_loss"] = trainer.validate(module, ckpt_path=best, verbose=False)[0]["val_loss"]
+        write_json(out, f"rank{trainer.global_rank}_best.json", {"best": str(best)})
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     if int(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == 0:
