@@ -9,6 +9,7 @@ import pytest
 import torch
 
 BLOCK = "common.Block"
+FEATURES_HEAD = 16 + 1  # the output layer: a 16-wide weight and a bias
 
 
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
@@ -277,11 +278,46 @@ def test_unknown_ignored_module_name_lists_close_matches(scenario):
     assert "ignored_modules: 'net.haed' is not a module of Module; closest: 'net.head'" in run.proc.stderr
 
 
-def test_wrap_inside_configure_model_gets_a_device(scenario):
-    run = scenario({"strategy": {"limit_all_gathers": False}, "module": {"manual_wrap": True}, "max_steps": 2})
-    units = run.rank(0)["units"]
-    assert len(units) == 4  # three blocks and the head, wrapped by the user
-    assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
+@pytest.mark.parametrize(
+    ("engine", "door"),
+    [
+        (1, "trainer"),
+        (2, "trainer"),
+        (2, "fabric"),
+        pytest.param(1, "fabric", marks=pytest.mark.slow),  # the default job has the hand-wrapped Llama's case
+    ],
+)
+def test_manual_wrapping_with_a_layer_outside_the_units_matches_one_process(scenario, engine, door):
+    """Lightning's manual wrapping: ``wrap()`` on each block inside ``configure_model`` (Trainer) or under
+    ``fabric.init_module()`` (Fabric), the output layer left outside the user's units. The rest of the model belongs
+    to a root unit: the head is sharded (no rank keeps a plain copy that trains on its own data, which the harness
+    would see as replicated tensors differing between ranks), and 2 ranks equal one process on the global batch."""
+    steps = 4
+    strategy = {"fsdp_version": engine, **({"limit_all_gathers": False} if engine == 1 else {})}
+    if door == "trainer":
+        reference = scenario({"strategy": "reference", "max_steps": steps, "module": {"batch_size": 8}}).final()
+        run = scenario(
+            {"strategy": strategy, "module": {"manual_wrap": True, "batch_size": 4}, "max_steps": steps},
+        )
+        got = run.final()
+        assert got["step"] == reference["step"] == steps
+        units = run.rank(0)["units"]
+        if engine == 1:
+            assert [u["name"].rsplit(".", 1)[-1] for u in units] == ["", "0", "1", "2"]
+            assert units[0]["fqns"] == ["net.head.weight", "net.head.bias"]  # the root unit holds what the user left out
+            assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
+        else:
+            assert [u["name"] for u in units] == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
+            assert units[0]["unsharded_numel"] == FEATURES_HEAD
+    else:
+        run = scenario({"strategy": strategy, "manual_wrap": True, "reference": True, "epochs": 1}, script="fabric_loop.py")
+        got, reference = run.final(), run.final()["reference"]
+        assert run.rank(0)["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert run.rank(1)["units"] == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
+    assert torch.load(run.out / "replicated0.pt", weights_only=True) == {}  # nothing left plain: the head is sharded
+    _assert_same_weights(got["weights"], reference["weights"], atol=1e-5)
+    initial = scenario({"strategy": "reference", "max_steps": 0}).final()["weights"]
+    assert not torch.allclose(initial["head.weight"], got["weights"]["head.weight"])  # the head trained
 
 
 # which threads torch leaves running, and how it names them, moves with torch: the version jobs run the Trainer's case

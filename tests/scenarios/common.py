@@ -51,6 +51,15 @@ class Net(nn.Module):
         return self.head(self.blocks(self.proj(x)))
 
 
+def wrap_blocks(net: Net) -> None:
+    """``wrap()`` each block by hand, as Lightning's FSDP docs do with the hidden layers: ``proj`` and the output layer
+    ``head`` stay outside the user's units (inside the strategy's wrapping context each block becomes a unit)."""
+    from torch.distributed.fsdp.wrap import wrap
+
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = wrap(block)
+
+
 class RandomRegression(Dataset):
     def __init__(self, n: int = 256, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -116,13 +125,7 @@ class Module(L.LightningModule):
             with torch.device("meta"):
                 self.net = Net(self.hparams.depth, self.hparams.width)
         if self.hparams.manual_wrap and self.net is not None:
-            from torch.distributed.fsdp.wrap import wrap
-
-            # Lightning's pattern: wrap() inside configure_model uses the strategy's model_sharded_context
-            for i, block in enumerate(self.net.blocks):
-                self.net.blocks[i] = wrap(block)
-            self.net.head = wrap(self.net.head)
-            self.net.proj = wrap(self.net.proj) if any(True for _ in self.net.proj.parameters()) else self.net.proj
+            wrap_blocks(self.net)  # Lightning's pattern: wrap() inside configure_model (its model_sharded_context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -256,6 +259,27 @@ def write_json(out: Path, name: str, data: Any) -> None:
     tmp = out / f".{name}.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str))
     tmp.replace(out / name)
+
+
+def dump_replicated(out: Path, rank: int, model: nn.Module) -> None:
+    """Write ``replicated<rank>.pt``: every parameter and buffer of ``model`` that no rank holds a shard of (plain
+    tensors: not an FSDP1 flat parameter or one of its original parameters, not a DTensor), by clean name. Such
+    tensors are replicated, so they must be equal on every rank; the harness (``conftest.run_script``) compares the
+    files of all ranks after every scenario that wrote them."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.adapters import fsdp1_internals
+
+    sharded: set[int] = set()
+    for unit in fsdp1_internals.units(model):
+        sharded.add(id(unit.flat_param))
+        sharded.update(id(p) for p in unit.orig_params)
+    plain = {
+        fsdp1_internals.clean_name(name): tensor.detach().clone()
+        for name, tensor in (*model.named_parameters(), *model.named_buffers())
+        if id(tensor) not in sharded and not isinstance(tensor, DTensor)
+    }
+    torch.save(plain, out / f"replicated{rank}.pt")
 
 
 def fill_init(module: nn.Module) -> None:

@@ -41,10 +41,14 @@ class FSDP1:
 
     def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
         """A model whose FSDP units the user wrapped by hand (``wrap()`` in ``configure_model`` or under
-        ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
-        activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
-        a model the strategy wraps, and the batch dtypes kept at the root."""
+        ``fabric.init_module()``), on either door. Units below a plain root: the root is wrapped too (what FSDP's docs
+        require; Lightning leaves it out, so the parameters outside the user's units stayed plain, and each rank
+        trained its own copy of them). A root wrapped by hand: Lightning's own setup (``lightning_setup``, which also
+        applies activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in
+        training, as for a model the strategy wraps, and the batch dtypes kept at the root."""
         _sharding.refuse_pretrained_when_wrapped(door)
+        if not isinstance(model, fsdp1_internals.fsdp_class()):
+            return wrap(door, model)
         model = lightning_setup(model)
         if door._activation_checkpointing_kwargs:
             door._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -56,6 +60,9 @@ class FSDP1:
         from torch.distributed.fsdp.wrap import enable_wrap
 
         return enable_wrap(**wrap_context_kwargs(door))
+
+    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
+        return forward_through_root(root, module)
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
@@ -103,6 +110,14 @@ def wrap(door: Any, model: Module) -> Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     kwargs = dict(door.kwargs)
+    if kwargs.get("auto_wrap_policy") is not None and any(isinstance(m, FSDP) for m in model.modules()):
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            "auto_wrap_policy is ignored: the model holds FSDP units wrapped by hand (wrap()); the parameters outside "
+            "them go into the root unit"
+        )
+        del kwargs["auto_wrap_policy"]
     prepared = _sharding.plan_pretrained(door, model)
     if prepared is not None:
         kwargs["param_init_fn"] = pretrained.empty_init(_sharding.fsdp_device(door))
@@ -126,6 +141,7 @@ def wrap(door: Any, model: Module) -> Module:
             raise
         raise ValueError(_mixed_requires_grad_message(unit)) from err
     lightning_internals.move_torchmetrics_to_device(model, door.root_device)
+    _sharding.average_replicated_gradients(fsdp1_internals.ignored_parameters(model), door.world_size)
     _sharding.load_pretrained(door, model, prepared)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
