@@ -150,9 +150,7 @@ def unsharded_tensors(module: Module) -> list[torch.Tensor]:
     for unit in fsdp1_internals.units(module):
         sharded.add(id(unit.flat_param))
         sharded.update(id(p) for p in unit.orig_params)
-    return [
-        t for t in (*module.parameters(), *module.buffers()) if id(t) not in sharded and not isinstance(t, DTensor)
-    ]
+    return [t for t in (*module.parameters(), *module.buffers()) if id(t) not in sharded and not isinstance(t, DTensor)]
 
 
 def average_replicated_gradients(params: Any, world_size: int) -> None:

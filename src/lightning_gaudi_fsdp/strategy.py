@@ -271,8 +271,8 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # For `wrap()` calls inside configure_model: each becomes a unit of the engine in use, with the same arguments as
-        # the automatic wrapping.
+        # For `wrap()` calls inside configure_model: each makes a unit of the engine in use, with the arguments of the
+        # automatic wrapping.
         with self._engine.wrap_context(self), _sharding.init_context(self):
             yield
 

@@ -304,13 +304,14 @@ def test_manual_wrapping_with_a_layer_outside_the_units_matches_one_process(scen
         units = run.rank(0)["units"]
         if engine == 1:
             assert [u["name"].rsplit(".", 1)[-1] for u in units] == ["", "0", "1", "2"]
-            assert units[0]["fqns"] == ["net.head.weight", "net.head.bias"]  # the root unit holds what the user left out
+            assert units[0]["fqns"] == ["net.head.weight", "net.head.bias"]  # what the user left out: the root's
             assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
         else:
             assert [u["name"] for u in units] == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
             assert units[0]["unsharded_numel"] == FEATURES_HEAD
     else:
-        run = scenario({"strategy": strategy, "manual_wrap": True, "reference": True, "epochs": 1}, script="fabric_loop.py")
+        cfg = {"strategy": strategy, "manual_wrap": True, "reference": True, "epochs": 1}
+        run = scenario(cfg, script="fabric_loop.py")
         got, reference = run.final(), run.final()["reference"]
         assert run.rank(0)["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run.rank(1)["units"] == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]

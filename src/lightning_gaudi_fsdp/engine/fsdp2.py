@@ -316,8 +316,7 @@ def _unit_arguments(door: Any) -> dict[str, Any]:
 
     return {
         "mesh": mesh(door),
-        "reshard_after_forward": door.sharding_strategy
-        in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        "reshard_after_forward": door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
         "mp_policy": door._config.mp_policy or MixedPrecisionPolicy(),
         "offload_policy": _offload_policy(_sharding.effective_cpu_offload(door)) or OffloadPolicy(),
     }
