@@ -82,7 +82,7 @@ class Module(L.LightningModule):
         batch_size: int = 4,
         depth: int = 3,
         meta_init: bool = False,
-        rank_dependent_init: bool = False,
+        rank_dependent_init: bool | str = False,
         n_samples: int = 256,
         width: int = FEATURES,
         fail: dict | None = None,
@@ -97,10 +97,11 @@ class Module(L.LightningModule):
         self.automatic_optimization = not manual
         self.net: nn.Module | None = None if meta_init else Net(depth, width)
         if rank_dependent_init and self.net is not None:
+            # True: every value 0.01 * (rank + 1); "offset": the seeded values, plus 0.01 * rank
             rank = int(os.environ.get("LOCAL_RANK", "0"))
             with torch.no_grad():
                 for p in self.net.parameters():
-                    p.fill_(0.01 * (rank + 1))
+                    p.add_(0.01 * rank) if rank_dependent_init == "offset" else p.fill_(0.01 * (rank + 1))
         self.seen_dtypes: dict[str, str] = {}
         self.configure_optimizers_calls = 0  # a hook with a side effect: Lightning must call it once per fit
 

@@ -372,6 +372,7 @@ def main() -> None:
         torch.save(
             {
                 "weights": final,
+                "initial": initial,
                 "optimizer": optim,
                 "scheduler": scheduler.state_dict(),
                 "lr": optimizer.param_groups[0]["lr"],

@@ -161,17 +161,26 @@ def _mixed_requires_grad_message(unit: str) -> str:
 def wrap_context_kwargs(door: Any) -> dict[str, Any]:
     """The arguments of ``enable_wrap`` for ``wrap()`` calls while the model is built: those of automatic wrapping,
     with a device."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     kwargs = {k: v for k, v in door.kwargs.items() if k != "auto_wrap_policy"}
     return {
-        "wrapper_cls": FSDP,
+        "wrapper_cls": _wrap_unit,
         "cpu_offload": _sharding.effective_cpu_offload(door, warn=False),
         "mixed_precision": door.mixed_precision_config,
         "sharding_strategy": door.sharding_strategy,
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
     }
+
+
+def _wrap_unit(module: Module, **kwargs: Any) -> Module:
+    """What ``wrap(module)`` does under ``fsdp_version=1``: ``FullyShardedDataParallel(module, **kwargs)``, with
+    ``sync_module_states`` done by a broadcast on CPU (as :func:`wrap` does: torch refuses it for CPU tensors)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kwargs.get("sync_module_states") and torch.device(kwargs["device_id"]).type == "cpu":
+        _sharding.broadcast_module_states(module)
+        kwargs["sync_module_states"] = False
+    return FSDP(module, **kwargs)
 
 
 def root_of(model: Module) -> Module | None:
