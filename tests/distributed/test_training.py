@@ -304,7 +304,7 @@ def test_manual_wrapping_with_a_layer_outside_the_units_matches_one_process(scen
         strategy["limit_all_gathers"] = False
     if door == "trainer":
         # each rank starts from its own values: sync_module_states must give every unit and the root rank 0's
-        init = {"rank_dependent_init": "offset"}
+        init = {"rank_dependent_init": "offset", "buffer": True}  # a buffer outside the units, too
         reference = scenario({"strategy": "reference", "max_steps": steps, "module": {**init, "batch_size": 8}})
         reference = reference.final()
         module = {**init, "manual_wrap": True, "batch_size": 4}
@@ -322,13 +322,15 @@ def test_manual_wrapping_with_a_layer_outside_the_units_matches_one_process(scen
             assert names == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
             assert units[0]["unsharded_numel"] == FEATURES_HEAD
     else:
+        init = {}
         cfg = {"strategy": strategy, "manual_wrap": True, "reference": True, "epochs": 1}
         run = scenario(cfg, script="fabric_loop.py")
         got, reference = run.final(), run.final()["reference"]
         assert run.rank(0)["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         names = [name.removesuffix("._checkpoint_wrapped_module") for name in run.rank(1)["units"]]
         assert names == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
-    assert torch.load(run.out / "replicated0.pt", weights_only=True) == {}  # nothing left plain: the head is sharded
+    # what stays plain on every rank (and equal, the harness checks): the buffer only; the head is sharded
+    assert list(torch.load(run.out / "replicated0.pt", weights_only=True)) == (["net.scale"] if init else [])
     _assert_same_weights(got["weights"], reference["weights"], atol=1e-5)
     if door == "trainer":
         initial = scenario({"strategy": "reference", "max_steps": 0, "module": init}).final()["weights"]

@@ -41,14 +41,16 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, depth: int = 3, width: int = FEATURES) -> None:
+    def __init__(self, depth: int = 3, width: int = FEATURES, buffer: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(FEATURES, width) if width != FEATURES else nn.Identity()
         self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
         self.head = nn.Linear(width, 1)
+        # buffer: a persistent buffer the forward reads (scales the input), outside any block
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, FEATURES) if buffer else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.proj(x)))
+        return self.head(self.blocks(self.proj(x if self.scale is None else x * self.scale)))
 
 
 def wrap_blocks(net: Net) -> None:
@@ -83,6 +85,7 @@ class Module(L.LightningModule):
         depth: int = 3,
         meta_init: bool = False,
         rank_dependent_init: bool | str = False,
+        buffer: bool = False,
         n_samples: int = 256,
         width: int = FEATURES,
         fail: dict | None = None,
@@ -95,13 +98,17 @@ class Module(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = not manual
-        self.net: nn.Module | None = None if meta_init else Net(depth, width)
+        self.net: nn.Module | None = None if meta_init else Net(depth, width, buffer)
         if rank_dependent_init and self.net is not None:
-            # True: every value 0.01 * (rank + 1); "offset": the seeded values, plus 0.01 * rank
+            # True: every parameter 0.01 * (rank + 1); "offset": every parameter and buffer as seeded, plus 0.01 * rank
             rank = int(os.environ.get("LOCAL_RANK", "0"))
             with torch.no_grad():
-                for p in self.net.parameters():
-                    p.add_(0.01 * rank) if rank_dependent_init == "offset" else p.fill_(0.01 * (rank + 1))
+                if rank_dependent_init == "offset":
+                    for t in (*self.net.parameters(), *self.net.buffers()):
+                        t.add_(0.01 * rank)
+                else:
+                    for p in self.net.parameters():
+                        p.fill_(0.01 * (rank + 1))
         self.seen_dtypes: dict[str, str] = {}
         self.configure_optimizers_calls = 0  # a hook with a side effect: Lightning must call it once per fit
 
@@ -124,7 +131,7 @@ class Module(L.LightningModule):
         self._maybe_fail("configure_model")
         if self.net is None:
             with torch.device("meta"):
-                self.net = Net(self.hparams.depth, self.hparams.width)
+                self.net = Net(self.hparams.depth, self.hparams.width, self.hparams.buffer)
         if self.hparams.manual_wrap and self.net is not None:
             wrap_blocks(self.net)  # Lightning's pattern: wrap() inside configure_model (its model_sharded_context)
 
