@@ -183,11 +183,6 @@ def _wrap_unit(module: Module, **kwargs: Any) -> Module:
     return FSDP(module, **kwargs)
 
 
-def root_of(model: Module) -> Module | None:
-    """``model`` when it is an FSDP root (wrapped by the strategy, or whole by hand), else None."""
-    return model if isinstance(model, fsdp1_internals.fsdp_class()) else None
-
-
 @contextmanager
 def forward_through_root(root: Module, module: Module) -> Generator[None, None, None]:
     """While active, ``module(...)`` and ``module.forward(...)`` run as the FSDP ``root``'s forward (which calls back
