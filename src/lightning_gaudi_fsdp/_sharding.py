@@ -153,14 +153,17 @@ def unsharded_tensors(module: Module) -> list[torch.Tensor]:
     return [t for t in (*module.parameters(), *module.buffers()) if id(t) not in sharded and not isinstance(t, DTensor)]
 
 
-def average_replicated_gradients(params: Any, world_size: int) -> None:
-    """Average the gradients of trainable parameters that no unit manages (``ignored_modules``/``ignored_states``)
-    over every rank as each backward accumulates them, as DDP would: FSDP reduces only what it shards, and these
-    would otherwise train on each rank's own data and drift apart. A sum divided by the world size (HCCL has no
-    AVG); averaging an accumulated gradient again keeps it exact under gradient accumulation."""
+def average_replicated_gradients(model: Module, world_size: int) -> None:
+    """Average the gradients of the trainable parameters of the sharded ``model`` that no unit manages
+    (``ignored_modules``/``ignored_states``) over every rank as each backward accumulates them, as DDP would: FSDP
+    reduces only what it shards, and these would otherwise train on each rank's own data and drift apart. A sum
+    divided by the world size (HCCL has no AVG); averaging an accumulated gradient again keeps it exact under
+    gradient accumulation. Called once the parameters are final (materialised, pretrained weights loaded)."""
     if world_size < 2 or not torch.distributed.is_initialized():
         return
-    for param in params:
+    for param in unsharded_tensors(model):
+        if not isinstance(param, torch.nn.Parameter):
+            continue  # a buffer
         if param.requires_grad and not getattr(param, "_gaudi_fsdp_grad_averaged", False):
             param.register_post_accumulate_grad_hook(functools.partial(_average_gradient, world_size=world_size))
             param._gaudi_fsdp_grad_averaged = True

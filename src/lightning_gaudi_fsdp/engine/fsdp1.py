@@ -141,8 +141,8 @@ def wrap(door: Any, model: Module) -> Module:
             raise
         raise ValueError(_mixed_requires_grad_message(unit)) from err
     lightning_internals.move_torchmetrics_to_device(model, door.root_device)
-    _sharding.average_replicated_gradients(fsdp1_internals.ignored_parameters(model), door.world_size)
     _sharding.load_pretrained(door, model, prepared)
+    _sharding.average_replicated_gradients(model, door.world_size)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )

@@ -288,19 +288,18 @@ def shard(door: Any, model: Module) -> Module:
             "them go into the root unit"
         )
     units = by_hand or select_units(model, policy, ignored.get("ignored_modules", ()))
-    ignored_params = _ignored_parameters(ignored)
     apply_fsdp2(
         model,
         [] if by_hand else units,
-        ignored_params=ignored_params,
+        ignored_params=_ignored_parameters(ignored),
         root_casts_inputs=not door._config.keep_batch_dtypes,
         **_unit_arguments(door),
     )
-    _sharding.average_replicated_gradients(ignored_params or (), door.world_size)
     device = _sharding.fsdp_device(door)
     init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
     materialize_meta(model, device, init_fn)
     _sharding.load_pretrained(door, model, prepared)
+    _sharding.average_replicated_gradients(model, door.world_size)
     if door.kwargs.get("forward_prefetch"):
         set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
