@@ -118,6 +118,8 @@ def run_script(
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "config.json"
     cfg_file.write_text(json.dumps(cfg))
+    for stale in out.glob("replicated*.pt"):  # an earlier run into the same folder, maybe with more ranks
+        stale.unlink()
     # On Gaudi the bridge loads with torch: ranks must start as fresh processes, never forked from the pool.
     if launcher == "pool" and os.environ.get("SCENARIO_POOL", "1") != "0" and cfg.get("accelerator") != "hpu":
         reference = single_process or cfg.get("strategy") == "reference"
@@ -136,7 +138,39 @@ def run_script(
             f"scenario {script} failed with exit code {result.returncode}:\n{_tail(result.stdout)}\n"
             f"{_tail(result.stderr)}"
         )
+    if result.returncode == 0:
+        assert_replicated_equal(out)
     return ScenarioResult(out, result)
+
+
+def assert_replicated_equal(out: Path) -> None:
+    """Fail unless every rank's ``replicated<rank>.pt`` (what ``scenarios/common.dump_replicated`` wrote: the
+    parameters and buffers no rank holds a shard of) holds the same names and bitwise the same values: replicated
+    state that drifts apart between ranks is invisible in rank 0's gathered weights."""
+    import torch
+
+    files = sorted(out.glob("replicated*.pt"), key=lambda f: int(f.stem.removeprefix("replicated")))
+    if len(files) < 2:
+        return
+    first, *others = [(f.stem.removeprefix("replicated"), torch.load(f, weights_only=True)) for f in files]
+    for rank, state in others:
+        if state.keys() != first[1].keys():
+            pytest.fail(
+                f"ranks {first[0]} and {rank} hold different replicated tensors: {sorted(first[1])} vs {sorted(state)}"
+            )
+        differ = [
+            f"{name} ({_difference(tensor, state[name])})"
+            for name, tensor in first[1].items()
+            if not torch.equal(tensor, state[name])
+        ]
+        if differ:
+            pytest.fail(f"replicated tensors differ between rank {first[0]} and rank {rank}: {', '.join(differ)}")
+
+
+def _difference(a: Any, b: Any) -> str:
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    return f"max |difference| {(a.double() - b.double()).abs().max().item():.3g}"
 
 
 class ScenarioPool:

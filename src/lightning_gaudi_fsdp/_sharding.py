@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -141,11 +142,49 @@ def compile_root(door: Any, model: Module) -> None:
     _report.compiled_units([""])
 
 
+def unsharded_tensors(module: Module) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module`` no unit shards: not a DTensor (FSDP2), not an FSDP1 flat parameter
+    or one of its original parameters. Before wrapping that is all of them; after, the buffers and what
+    ``ignored_modules``/``ignored_states`` leave out, replicated on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.adapters import fsdp1_internals
+
+    sharded: set[int] = set()
+    for unit in fsdp1_internals.units(module):
+        sharded.add(id(unit.flat_param))
+        sharded.update(id(p) for p in unit.orig_params)
+    return [t for t in (*module.parameters(), *module.buffers()) if id(t) not in sharded and not isinstance(t, DTensor)]
+
+
+def average_replicated_gradients(model: Module, world_size: int) -> None:
+    """Average the gradients of the trainable parameters of the sharded ``model`` that no unit manages
+    (``ignored_modules``/``ignored_states``) over every rank as each backward accumulates them, as DDP would: FSDP
+    reduces only what it shards, and these would otherwise train on each rank's own data and drift apart. A sum
+    divided by the world size (HCCL has no AVG); averaging an accumulated gradient again keeps it exact under
+    gradient accumulation. Called once the parameters are final (materialised, pretrained weights loaded)."""
+    if world_size < 2 or not torch.distributed.is_initialized():
+        return
+    for param in unsharded_tensors(model):
+        if not isinstance(param, torch.nn.Parameter):
+            continue  # a buffer
+        if param.requires_grad and not getattr(param, "_gaudi_fsdp_grad_averaged", False):
+            param.register_post_accumulate_grad_hook(functools.partial(_average_gradient, world_size=world_size))
+            param._gaudi_fsdp_grad_averaged = True
+
+
+def _average_gradient(param: torch.Tensor, world_size: int) -> None:
+    if param.grad is not None:
+        torch.distributed.all_reduce(param.grad, op=torch.distributed.ReduceOp.SUM)
+        param.grad.div_(world_size)
+
+
 def broadcast_module_states(module: Module) -> None:
     """Copy rank 0's parameters and buffers, still on the host, to every rank (what ``sync_module_states`` does on
     accelerators): over the default group where its backend takes CPU tensors (gloo), else over a gloo group made for
-    it (Gaudi's hccl takes ``hpu`` tensors only)."""
-    states = [t for t in (*module.parameters(), *module.buffers())]
+    it (Gaudi's hccl takes ``hpu`` tensors only). Those already sharded by units wrapped by hand were copied before
+    they were sharded."""
+    states = unsharded_tensors(module)
     if any(t.is_meta for t in states):
         raise ValueError(
             "sync_module_states=True on CPU needs a materialised model, but it has meta-device tensors; "

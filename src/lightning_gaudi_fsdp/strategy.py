@@ -34,7 +34,6 @@ from lightning_gaudi_fsdp import (
 )
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
-from lightning_gaudi_fsdp.engine import fsdp1
 from lightning_gaudi_fsdp.precision import GaudiFSDPPrecision
 
 if TYPE_CHECKING:
@@ -231,16 +230,22 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         else:
             _sharding.warn_if_precision_overlaps(self)
             model = self._engine.shard(self, model)
-        self._fsdp_root = fsdp1.root_of(model)
+        # shard and adopt_wrapped recorded the root in self._fsdp_root
         if self._config.compile_kwargs is not None and previous is not model:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
         return model
 
     def _setup_in_place(self, model: Module) -> Module:
-        if self._engine.owns(model):  # validate/test/predict after fit: already sharded in place
-            return model
-        self._engine.shard(self, model)
+        previous = self._fsdp_root
+        if self._engine.owns(model):
+            # units wrapped by hand in configure_model get their root; sharded before (validate/test/predict after
+            # fit): nothing to do, and the root recorded stays the same
+            self._engine.adopt_wrapped(self, model, super()._setup_model)
+            if self._fsdp_root is previous:
+                return model
+        else:
+            self._engine.shard(self, model)
         if self._config.compile_kwargs is not None:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
@@ -249,10 +254,9 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # For `wrap()` calls inside configure_model: the same arguments as the automatic wrapping, with a device.
-        from torch.distributed.fsdp.wrap import enable_wrap
-
-        with enable_wrap(**fsdp1.wrap_context_kwargs(self)), _sharding.init_context(self):
+        # For `wrap()` calls inside configure_model: each makes a unit of the engine in use, with the arguments of the
+        # automatic wrapping.
+        with self._engine.wrap_context(self), _sharding.init_context(self):
             yield
 
     @override
@@ -277,7 +281,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
         # cannot run manual_backward. Run it outside, and send the module's own forward (``self(x)``) through the
         # root, as Fabric users call their wrapped model.
-        with self.precision_plugin.train_step_context(), fsdp1.forward_through_root(root, module):
+        with self.precision_plugin.train_step_context(), self._engine.forward_through_root(root, module):
             return module.training_step(*args, **kwargs)
 
     @override

@@ -269,9 +269,19 @@ def test_checkpoints_cross_between_the_trainer_and_fabric(scenario, tmp_path, en
 def test_hand_wrapped_transformers_model_trains_without_its_kv_cache_under_activation_checkpointing(scenario):
     """Layers wrapped by hand under fabric.init_module(), activation checkpointing from the strategy: as through the
     Trainer's door, a training forward builds no KV cache although config.use_cache is on (on transformers 4.x a cache
-    makes the recomputation fail with CheckpointError); evaluation keeps it."""
+    makes the recomputation fail with CheckpointError); evaluation keeps it. The embeddings, the final norm and
+    ``lm_head``, outside the user's units, go into the root unit: 2 ranks equal one process on the global batch."""
     pytest.importorskip("transformers")
     run = scenario({}, script="fabric_hand_wrapped.py")
+    final = run.final()
+    reference = final["reference"]
+    assert run.rank(0)["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert final["weights"].keys() == reference["weights"].keys()
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(final["weights"][key], value, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    plain = torch.load(run.out / "replicated0.pt", weights_only=True)
+    assert plain  # the rotary embedding's buffers, and nothing else
+    assert all(name.endswith("inv_freq") for name in plain), sorted(plain)
     for r in (0, 1):
         info = run.rank(r)
         assert info["use_cache"] is True

@@ -6,8 +6,11 @@ import json
 import math
 
 import pytest
+import torch
 
 from helpers import BLOCK, assert_close_weights, changed
+
+FEATURES_HEAD = 16 + 1  # the output layer: a 16-wide weight and a bias
 
 ENGINES = pytest.mark.parametrize("engine", [1, 2])
 
@@ -260,7 +263,9 @@ def test_hybrid_shard_on_a_2x2_mesh_shards_within_each_pair(scenario, policy):
 
 
 @ENGINES
-def test_ignored_states_by_name(scenario, engine):
+def test_ignored_states_by_name_stay_whole_and_train_like_one_process(scenario, engine):
+    """The head, named in ``ignored_states``, is no unit's: every rank keeps it whole (the harness checks the ranks'
+    copies are equal) and its gradients are averaged over the ranks, so 2 ranks equal one process."""
     run = scenario(
         {
             "strategy": {
@@ -268,10 +273,14 @@ def test_ignored_states_by_name(scenario, engine):
                 "ignored_states": ["net.head.weight", "net.head.bias"],
                 "fsdp_version": engine,
             },
-            "max_steps": 1,
+            "max_steps": 3,
+            "module": {"batch_size": 4},
         }
     )
     assert run.rank(1)["ignored_params"] == ["net.head.bias", "net.head.weight"]
+    assert sorted(torch.load(run.out / "replicated1.pt", weights_only=True)) == ["net.head.bias", "net.head.weight"]
+    reference = scenario({"strategy": "reference", "max_steps": 3, "module": {"batch_size": 8}}).final()
+    assert_close_weights(run.final()["weights"], reference["weights"], atol=1e-5)
 
 
 def test_unknown_ignored_module_name_lists_close_matches(scenario):
@@ -280,11 +289,59 @@ def test_unknown_ignored_module_name_lists_close_matches(scenario):
     assert "ignored_modules: 'net.haed' is not a module of Module; closest: 'net.head'" in run.proc.stderr
 
 
-def test_wrap_inside_configure_model_gets_a_device(scenario):
-    run = scenario({"strategy": {"limit_all_gathers": False}, "module": {"manual_wrap": True}, "max_steps": 2})
-    units = run.rank(0)["units"]
-    assert len(units) == 4  # three blocks and the head, wrapped by the user
-    assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
+@pytest.mark.parametrize(
+    ("engine", "door"),
+    [
+        (1, "trainer"),
+        (2, "trainer"),
+        (2, "fabric"),
+        pytest.param(1, "fabric", marks=pytest.mark.slow),  # the default job has the hand-wrapped Llama's case
+    ],
+)
+def test_manual_wrapping_with_a_layer_outside_the_units_matches_one_process(scenario, engine, door):
+    """Lightning's manual wrapping: ``wrap()`` on each block inside ``configure_model`` (Trainer) or under
+    ``fabric.init_module()`` (Fabric), the output layer left outside the user's units. The rest of the model belongs
+    to a root unit: the head is sharded (no rank keeps a plain copy that trains on its own data, which the harness
+    would see as replicated tensors differing between ranks), and 2 ranks equal one process on the global batch."""
+    steps = 4
+    strategy = {"fsdp_version": engine, "activation_checkpointing_policy": [BLOCK]}
+    if engine == 1:
+        strategy["limit_all_gathers"] = False
+    if door == "trainer":
+        # each rank starts from its own values: sync_module_states must give every unit and the root rank 0's
+        init = {"rank_dependent_init": "offset", "buffer": True}  # a buffer outside the units, too
+        reference = scenario({"strategy": "reference", "max_steps": steps, "module": {**init, "batch_size": 8}})
+        reference = reference.final()
+        module = {**init, "manual_wrap": True, "batch_size": 4}
+        run = scenario({"strategy": {**strategy, "sync_module_states": True}, "module": module, "max_steps": steps})
+        got = run.final()
+        assert got["step"] == reference["step"] == steps
+        assert run.rank(1)["checkpoint_wrappers"] == 3  # activation checkpointing applies to units wrapped by hand
+        units = run.rank(0)["units"]
+        if engine == 1:
+            assert [u["name"].rsplit(".", 1)[-1] for u in units] == ["", "0", "1", "2"]
+            assert units[0]["fqns"] == ["net.head.weight", "net.head.bias"]  # what the user left out: the root's
+            assert all(u["compute_device"] == "cpu" and u["limit_all_gathers"] is False for u in units)
+        else:
+            names = [u["name"].removesuffix("._checkpoint_wrapped_module") for u in units]
+            assert names == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
+            assert units[0]["unsharded_numel"] == FEATURES_HEAD
+    else:
+        init = {}
+        cfg = {"strategy": strategy, "manual_wrap": True, "reference": True, "epochs": 1}
+        run = scenario(cfg, script="fabric_loop.py")
+        got, reference = run.final(), run.final()["reference"]
+        assert run.rank(0)["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        names = [name.removesuffix("._checkpoint_wrapped_module") for name in run.rank(1)["units"]]
+        assert names == ["", "net.blocks.0", "net.blocks.1", "net.blocks.2"]
+    # what stays plain on every rank (and equal, the harness checks): the buffer only; the head is sharded
+    assert list(torch.load(run.out / "replicated0.pt", weights_only=True)) == (["net.scale"] if init else [])
+    assert_close_weights(got["weights"], reference["weights"], atol=1e-5)
+    if door == "trainer":
+        initial = scenario({"strategy": "reference", "max_steps": 0, "module": init}).final()["weights"]
+    else:
+        initial = got["initial"]
+    assert not torch.allclose(initial["head.weight"], got["weights"]["head.weight"])  # the head trained
 
 
 # which threads torch leaves running, and how it names them, moves with torch: the version jobs run the Trainer's case

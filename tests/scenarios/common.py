@@ -49,14 +49,25 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, depth: int = 3, width: int = FEATURES) -> None:
+    def __init__(self, depth: int = 3, width: int = FEATURES, buffer: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(FEATURES, width) if width != FEATURES else nn.Identity()
         self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
         self.head = nn.Linear(width, 1)
+        # buffer: a persistent buffer the forward reads (scales the input), outside any block
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, FEATURES) if buffer else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.proj(x)))
+        return self.head(self.blocks(self.proj(x if self.scale is None else x * self.scale)))
+
+
+def wrap_blocks(net: Net) -> None:
+    """``wrap()`` each block by hand, as Lightning's FSDP docs do with the hidden layers: ``proj`` and the output layer
+    ``head`` stay outside the user's units (inside the strategy's wrapping context each block becomes a unit)."""
+    from torch.distributed.fsdp.wrap import wrap
+
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = wrap(block)
 
 
 class RandomRegression(Dataset):
@@ -89,7 +100,8 @@ class Module(L.LightningModule):
         batch_size: int = 4,
         depth: int = 3,
         meta_init: bool = False,
-        rank_dependent_init: bool = False,
+        rank_dependent_init: bool | str = False,
+        buffer: bool = False,
         n_samples: int = 256,
         width: int = FEATURES,
         fail: dict | None = None,
@@ -103,12 +115,17 @@ class Module(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = not manual
-        self.net: nn.Module | None = None if meta_init else Net(depth, width)
+        self.net: nn.Module | None = None if meta_init else Net(depth, width, buffer)
         if rank_dependent_init and self.net is not None:
+            # True: every parameter 0.01 * (rank + 1); "offset": every parameter and buffer as seeded, plus 0.01 * rank
             rank = int(os.environ.get("LOCAL_RANK", "0"))
             with torch.no_grad():
-                for p in self.net.parameters():
-                    p.fill_(0.01 * (rank + 1))
+                if rank_dependent_init == "offset":
+                    for t in (*self.net.parameters(), *self.net.buffers()):
+                        t.add_(0.01 * rank)
+                else:
+                    for p in self.net.parameters():
+                        p.fill_(0.01 * (rank + 1))
         self.seen_dtypes: dict[str, str] = {}
         self.configure_optimizers_calls = 0  # a hook with a side effect: Lightning must call it once per fit
 
@@ -131,15 +148,9 @@ class Module(L.LightningModule):
         self._maybe_fail("configure_model")
         if self.net is None:
             with torch.device("meta"):
-                self.net = Net(self.hparams.depth, self.hparams.width)
+                self.net = Net(self.hparams.depth, self.hparams.width, self.hparams.buffer)
         if self.hparams.manual_wrap and self.net is not None:
-            from torch.distributed.fsdp.wrap import wrap
-
-            # Lightning's pattern: wrap() inside configure_model uses the strategy's model_sharded_context
-            for i, block in enumerate(self.net.blocks):
-                self.net.blocks[i] = wrap(block)
-            self.net.head = wrap(self.net.head)
-            self.net.proj = wrap(self.net.proj) if any(True for _ in self.net.proj.parameters()) else self.net.proj
+            wrap_blocks(self.net)  # Lightning's pattern: wrap() inside configure_model (its model_sharded_context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -252,6 +263,27 @@ def write_json(out: Path, name: str, data: Any) -> None:
     tmp = out / f".{name}.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str))
     tmp.replace(out / name)
+
+
+def dump_replicated(out: Path, rank: int, model: nn.Module) -> None:
+    """Write ``replicated<rank>.pt``: every parameter and buffer of ``model`` that no rank holds a shard of (plain
+    tensors: not an FSDP1 flat parameter or one of its original parameters, not a DTensor), by clean name. Such
+    tensors are replicated, so they must be equal on every rank; the harness (``conftest.run_script``) compares the
+    files of all ranks after every scenario that wrote them."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gaudi_fsdp.adapters import fsdp1_internals
+
+    sharded: set[int] = set()
+    for unit in fsdp1_internals.units(model):
+        sharded.add(id(unit.flat_param))
+        sharded.update(id(p) for p in unit.orig_params)
+    plain = {
+        fsdp1_internals.clean_name(name): tensor.detach().clone()
+        for name, tensor in (*model.named_parameters(), *model.named_buffers())
+        if id(tensor) not in sharded and not isinstance(tensor, DTensor)
+    }
+    torch.save(plain, out / f"replicated{rank}.pt")
 
 
 def fill_init(module: nn.Module) -> None:

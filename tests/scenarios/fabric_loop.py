@@ -33,8 +33,10 @@ from common import (
     RandomRegression,
     StreamedSaves,
     a_late_collective,
+    dump_replicated,
     load_config,
     record_what_outlives,
+    wrap_blocks,
     write_json,
 )
 from torch import nn
@@ -231,6 +233,8 @@ def main() -> None:
     fabric.seed_everything(7)
     with fabric.init_module(empty_init=True):
         module = Module(depth=3)
+        if cfg.get("manual_wrap"):  # the blocks by hand, the head left outside the units
+            wrap_blocks(module.net)
     info: dict[str, Any] = {
         "rank": rank,
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
@@ -242,6 +246,7 @@ def main() -> None:
     optimizer = fabric.setup_optimizers(optimizer)
     info["precision"] = type(fabric.strategy.precision).__name__
     info["engine"] = fabric.strategy._config.fsdp_version
+    info["units"] = list(engine_of(model._forward_module).fingerprint(model._forward_module))  # by name
     initial = full_weights(model, rank)
 
     state: dict[str, Any] = {
@@ -363,6 +368,7 @@ def main() -> None:
         lr=optimizer.param_groups[0]["lr"],
         final_state={k: state[k] for k in ("epoch", "global_step") if k in state},
     )
+    dump_replicated(out, rank, model._forward_module)
     final = full_weights(model, rank)
     optim = engine_of(model._forward_module).optimizer_state_dict(
         model._forward_module, optimizer.optimizer, "full", device_type(model), rank
@@ -371,6 +377,7 @@ def main() -> None:
         torch.save(
             {
                 "weights": final,
+                "initial": initial,
                 "optimizer": optim,
                 "scheduler": scheduler.state_dict(),
                 "lr": optimizer.param_groups[0]["lr"],

@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 import torchmetrics
-from common import Module, Net, load_config, write_json
+from common import Module, Net, dump_replicated, load_config, write_json
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
@@ -175,9 +175,11 @@ def main() -> None:
         # the best checkpoint loads: validating from it gives the score it was kept for
         result["best_val_loss"] = trainer.validate(module, ckpt_path=best, verbose=False)[0]["val_loss"]
         write_json(out, f"rank{trainer.global_rank}_best.json", {"best": str(best)})
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dump_replicated(out, rank, trainer.strategy.model)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if int(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == 0:
+    if rank == 0:
         write_json(out, "rank0.json", result)
     leave()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from common import load_config, write_json
+from common import dump_replicated, load_config, write_json
 from peft_train import DECODER_LAYER, SEQ, TINY_LLAMA, _gen, build_model
 from train import leave
 
@@ -58,6 +58,7 @@ def main() -> None:
             remainder = fabric.load(cfg["save"], state)  # the same state back: nothing of the package's own
             loaded = {"remainder": sorted(remainder), "state": sorted(state)}
     write_json(out, f"rank{rank}.json", {"frozen_with_grad": sorted(frozen_with_grad), "loaded": loaded})
+    dump_replicated(out, rank, model._forward_module)
     weights("final.pt")
     leave()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, load_config, write_json
+from common import QUIET_TRAINER, dump_replicated, load_config, write_json
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -131,6 +131,7 @@ def main() -> None:
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
     rank = trainer.global_rank
     write_json(out, f"rank{rank}.json", {"frozen_with_grad": sorted(probe.frozen_with_grad), "losses": probe.losses})
+    dump_replicated(out, rank, trainer.strategy.model)
     weights = _full_weights(trainer, module)
     if cfg.get("strategy") == "reference":
         optim = trainer.optimizers[0].state_dict()

@@ -21,7 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import transformers
-from common import QUIET_TRAINER, PeakSampler, load_config, write_json
+from common import QUIET_TRAINER, PeakSampler, dump_replicated, load_config, write_json
 from torch.utils.data import DataLoader
 from train import leave
 
@@ -149,6 +149,7 @@ def run_trainer(cfg: dict[str, Any], out: Path) -> None:
     with sampler:
         trainer.fit(module) if cfg.get("stage", "fit") == "fit" else trainer.validate(module)
     rank = trainer.global_rank
+    dump_replicated(out, rank, trainer.strategy.model)
     final = loaded_state(cfg, trainer.strategy.model, rank, "model.")
     if cfg.get("then_validate"):
         # a fresh module and Trainer: the validate stage loads the file again; with ckpt_path the checkpoint wins
@@ -234,6 +235,7 @@ def run_fabric(cfg: dict[str, Any], out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
         info.setdefault("losses", []).append(float(loss))
+    dump_replicated(out, rank, model._forward_module)
     final = loaded_state(cfg, model._forward_module, rank, "") if cfg.get("gather", True) else {}
     finish(cfg, out, rank, info, sampler, loaded, final)
 

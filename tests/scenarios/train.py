@@ -20,6 +20,7 @@ from common import (
     ShardedLoads,
     StreamedSaves,
     a_late_collective,
+    dump_replicated,
     load_config,
     record_what_outlives,
     status_bytes,
@@ -152,6 +153,7 @@ class Probe(Callback):
             info["ignored_params"] = sorted(
                 n for n, p in pl_module.named_parameters() if p in getattr(root, "_ignored_params", set())
             )
+        dump_replicated(self.out, trainer.global_rank, model)
         if "dynamo" in self.cfg.get("probes", []):
             from torch._dynamo.utils import counters
 

@@ -36,7 +36,9 @@ def clean_name(name: str) -> str:
     wrapper's prefixes."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-    return clean_tensor_name(name)
+    # torch strips each wrapper's prefix with its dot: a module name ending in one (the root unit's own module,
+    # "_fsdp_wrapped_module") keeps it unless a dot follows
+    return clean_tensor_name(name + ".").removesuffix(".") if name else name
 
 
 def join_name(prefix: str, name: str) -> str:

@@ -48,11 +48,17 @@ class Engine(Protocol):
         """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
 
     def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
-        """Set up a model that :meth:`owns` already holds units of (wrapped by hand: FSDP1 through Lightning's
-        ``lightning_setup``; sharded before: FSDP2, as it is)."""
+        """Set up a model that :meth:`owns` already holds units of: units wrapped by hand below a plain root get a
+        root unit holding the rest of the model; a root wrapped by hand (FSDP1) goes through Lightning's
+        ``lightning_setup``; a model sharded before (FSDP2) stays as it is."""
 
     def wrap_context(self, door: Any) -> AbstractContextManager:
-        """Around the model's construction: what ``wrap()`` calls inside it build (FSDP1 only)."""
+        """Around the model's construction: ``wrap(module)`` calls inside it make ``module`` a unit of this engine,
+        with the door's arguments (the rest of the model becomes the root unit at setup: :meth:`adopt_wrapped`)."""
+
+    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
+        """While active, ``module(...)`` runs as the FSDP ``root``'s forward (manual optimisation on the Trainer
+        door, where ``training_step`` runs outside the root)."""
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip by the norm over every shard on every rank."""

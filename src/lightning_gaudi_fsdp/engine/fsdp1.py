@@ -41,10 +41,14 @@ class FSDP1:
 
     def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
         """A model whose FSDP units the user wrapped by hand (``wrap()`` in ``configure_model`` or under
-        ``fabric.init_module()``), on either door: Lightning's own setup (``lightning_setup``, which also applies
-        activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in training, as for
-        a model the strategy wraps, and the batch dtypes kept at the root."""
+        ``fabric.init_module()``), on either door. Units below a plain root: the root is wrapped too (what FSDP's docs
+        require; Lightning leaves it out, so the parameters outside the user's units stayed plain, and each rank
+        trained its own copy of them). A root wrapped by hand: Lightning's own setup (``lightning_setup``, which also
+        applies activation checkpointing), then the KV cache of checkpointed ``transformers`` models off in
+        training, as for a model the strategy wraps, and the batch dtypes kept at the root."""
         _sharding.refuse_pretrained_when_wrapped(door)
+        if not isinstance(model, fsdp1_internals.fsdp_class()):
+            return wrap(door, model)
         model = lightning_setup(model)
         if door._activation_checkpointing_kwargs:
             door._cache_off_in_training = activation.apply_cache_off_in_training(model)
@@ -56,6 +60,9 @@ class FSDP1:
         from torch.distributed.fsdp.wrap import enable_wrap
 
         return enable_wrap(**wrap_context_kwargs(door))
+
+    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
+        return forward_through_root(root, module)
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
@@ -103,6 +110,14 @@ def wrap(door: Any, model: Module) -> Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     kwargs = dict(door.kwargs)
+    if kwargs.get("auto_wrap_policy") is not None and any(isinstance(m, FSDP) for m in model.modules()):
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            "auto_wrap_policy is ignored: the model holds FSDP units wrapped by hand (wrap()); the parameters outside "
+            "them go into the root unit"
+        )
+        del kwargs["auto_wrap_policy"]
     prepared = _sharding.plan_pretrained(door, model)
     if prepared is not None:
         kwargs["param_init_fn"] = pretrained.empty_init(_sharding.fsdp_device(door))
@@ -127,6 +142,7 @@ def wrap(door: Any, model: Module) -> Module:
         raise ValueError(_mixed_requires_grad_message(unit)) from err
     lightning_internals.move_torchmetrics_to_device(model, door.root_device)
     _sharding.load_pretrained(door, model, prepared)
+    _sharding.average_replicated_gradients(model, door.world_size)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )
@@ -145,11 +161,9 @@ def _mixed_requires_grad_message(unit: str) -> str:
 def wrap_context_kwargs(door: Any) -> dict[str, Any]:
     """The arguments of ``enable_wrap`` for ``wrap()`` calls while the model is built: those of automatic wrapping,
     with a device."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     kwargs = {k: v for k, v in door.kwargs.items() if k != "auto_wrap_policy"}
     return {
-        "wrapper_cls": FSDP,
+        "wrapper_cls": _wrap_unit,
         "cpu_offload": _sharding.effective_cpu_offload(door, warn=False),
         "mixed_precision": door.mixed_precision_config,
         "sharding_strategy": door.sharding_strategy,
@@ -158,9 +172,15 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
     }
 
 
-def root_of(model: Module) -> Module | None:
-    """``model`` when it is an FSDP root (wrapped by the strategy, or whole by hand), else None."""
-    return model if isinstance(model, fsdp1_internals.fsdp_class()) else None
+def _wrap_unit(module: Module, **kwargs: Any) -> Module:
+    """What ``wrap(module)`` does under ``fsdp_version=1``: ``FullyShardedDataParallel(module, **kwargs)``, with
+    ``sync_module_states`` done by a broadcast on CPU (as :func:`wrap` does: torch refuses it for CPU tensors)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kwargs.get("sync_module_states") and torch.device(kwargs["device_id"]).type == "cpu":
+        _sharding.broadcast_module_states(module)
+        kwargs["sync_module_states"] = False
+    return FSDP(module, **kwargs)
 
 
 @contextmanager

@@ -9,6 +9,7 @@ does for FSDP1.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -187,10 +188,24 @@ class FSDP2:
         return shard(door, model)
 
     def adopt_wrapped(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
-        return model  # sharded in place before (validate/test/predict after fit, a second setup_module)
+        """Sharded in place before (validate/test/predict after fit, a second ``setup_module``): as it is. Units
+        made by ``wrap()`` below a plain root: the root is sharded with the rest of the model."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return model
+        _sharding.refuse_pretrained_when_wrapped(door)
+        return shard(door, model)
 
     def wrap_context(self, door: Any) -> AbstractContextManager:
-        return nullcontext()  # fully_shard has no wrap() to configure
+        """``wrap(module)`` calls while the model is built apply ``fully_shard`` to ``module`` with the door's
+        arguments (the units of :func:`shard`); the root follows when the door sets the model up."""
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(wrapper_cls=functools.partial(_wrap_unit, door))
+
+    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
+        return nullcontext()  # the LightningModule is the root: each step already runs through its forward
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return clip_grad_norm_(root, max_norm, norm_type)  # DTensor gradients: the norm spans every rank
@@ -252,7 +267,10 @@ def _no_sync(module: Module) -> Generator[None, None, None]:
 
 
 def shard(door: Any, model: Module) -> Module:
-    """Shard ``model`` in place with ``fully_shard`` with the door's resolved arguments; records the root."""
+    """Shard ``model`` in place with ``fully_shard`` with the door's resolved arguments; records the root. Units made
+    by ``wrap()`` while the model was built take the place of ``auto_wrap_policy``'s."""
+    from torch.distributed.fsdp import FSDPModule
+
     prepared = _sharding.plan_pretrained(door, model)
     ignored = _sharding.resolve_ignored(door, model)
     if door.kwargs.get("sync_module_states"):
@@ -260,22 +278,28 @@ def shard(door: Any, model: Module) -> Module:
     door._cache_off_in_training = activation.apply_activation_checkpointing(
         model, door._activation_checkpointing_kwargs
     )
-    units = select_units(model, door.kwargs.get("auto_wrap_policy"), ignored.get("ignored_modules", ()))
-    offload = _sharding.effective_cpu_offload(door)
+    by_hand = [m for m in _post_order(model) if isinstance(m, FSDPModule)]
+    policy = door.kwargs.get("auto_wrap_policy")
+    if by_hand and policy is not None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            "auto_wrap_policy is ignored: the model holds FSDP units wrapped by hand (wrap()); the parameters outside "
+            "them go into the root unit"
+        )
+    units = by_hand or select_units(model, policy, ignored.get("ignored_modules", ()))
     apply_fsdp2(
         model,
-        units,
-        mesh=mesh(door),
-        reshard_after_forward=door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-        mp_policy=door._config.mp_policy,
-        offload_policy=_offload_policy(offload),
+        [] if by_hand else units,
         ignored_params=_ignored_parameters(ignored),
         root_casts_inputs=not door._config.keep_batch_dtypes,
+        **_unit_arguments(door),
     )
     device = _sharding.fsdp_device(door)
     init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
     materialize_meta(model, device, init_fn)
     _sharding.load_pretrained(door, model, prepared)
+    _sharding.average_replicated_gradients(model, door.world_size)
     if door.kwargs.get("forward_prefetch"):
         set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
@@ -283,6 +307,34 @@ def shard(door: Any, model: Module) -> Module:
     lightning_internals.move_torchmetrics_to_device(model, door.root_device)
     door._fsdp_root = model
     return model
+
+
+def _unit_arguments(door: Any) -> dict[str, Any]:
+    """The ``fully_shard`` arguments every unit takes from the door (the root's may differ in input casting)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    return {
+        "mesh": mesh(door),
+        "reshard_after_forward": door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        "mp_policy": door._config.mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": _offload_policy(_sharding.effective_cpu_offload(door)) or OffloadPolicy(),
+    }
+
+
+def _wrap_unit(door: Any, module: Module, **overrides: Any) -> Module:
+    """What ``wrap(module)`` does under ``fsdp_version=2``: ``fully_shard(module)`` with the door's arguments (after
+    ``sync_module_states`` copied rank 0's values into it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if overrides:
+        raise TypeError(
+            f"wrap() with fsdp_version=2 takes no FSDP1 arguments, got {sorted(overrides)}; the strategy's arguments "
+            "apply to every unit"
+        )
+    if door.kwargs.get("sync_module_states"):
+        _sharding.broadcast_module_states(module)
+    fully_shard(module, **_unit_arguments(door))
+    return module
 
 
 def mesh(door: Any) -> Any:
