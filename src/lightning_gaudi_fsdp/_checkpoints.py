@@ -36,7 +36,7 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     other formats)."""
     from lightning_gaudi_fsdp.checkpoint import hf_export
 
-    checkpoint[formats.ENGINE_KEY] = door._config.fsdp_version
+    checkpoint[formats.ENGINE_KEY] = door._engine.version
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
         checkpoint[formats.HF_KEY] = record
@@ -45,7 +45,9 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     if door._state_dict_type != "local":
         return None
     layout = door._engine.local_layout(model)
-    return formats.local_metadata(layout, model, door.sharding_strategy.name, _report.versions(), optimizers)
+    return formats.local_metadata(
+        door._engine.version, layout, model, door.sharding_strategy.name, _report.versions(), optimizers
+    )
 
 
 def background_saver(async_save: bool, timeout: timedelta | None) -> BackgroundSaver | None:

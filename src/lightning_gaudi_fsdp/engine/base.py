@@ -81,7 +81,8 @@ class Engine(Protocol):
     ) -> dict[str, Any]: ...
 
     def local_layout(self, model: Module) -> dict[str, Any]:
-        """What a local checkpoint records of the model (with ``engine``: this engine's version)."""
+        """What a local checkpoint records of the model (beside :attr:`version`, which the checkpoint code records
+        for every engine: :func:`..checkpoint.formats.local_metadata`)."""
 
     def check_local_layout(self, path: Any, meta: dict[str, Any], model: Module) -> None:
         """Raise ``CheckpointError`` when a local checkpoint's recorded layout does not fit ``model``."""

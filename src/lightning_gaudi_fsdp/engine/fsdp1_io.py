@@ -177,7 +177,7 @@ def optimizer_state_dict(
 
 def local_layout(model: Module) -> dict[str, Any]:
     """What a local checkpoint records of the model: the wrap and each unit's flat-parameter layout."""
-    return {"engine": 1, "fsdp_units": fsdp_units(model), "flat_params": flat_param_layout(model)}
+    return {"fsdp_units": fsdp_units(model), "flat_params": flat_param_layout(model)}
 
 
 # ------------------------------------------------------------------------------------------------------ checking

@@ -19,7 +19,7 @@ from lightning_gaudi_fsdp.engine import fsdp2_state
 
 def local_layout(model: Module) -> dict[str, Any]:
     """What a local checkpoint records of the model: each parameter's name, shape and dtype."""
-    return {"engine": 2, "parameters": fsdp2_state.local_layout(model)}
+    return {"parameters": fsdp2_state.local_layout(model)}
 
 
 def check_local_layout(path: Path, meta: dict[str, Any], model: Module) -> None:
