@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _report, gaudi
-from lightning_gaudi_fsdp.adapters import lightning_internals
+from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import formats, loading, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
@@ -146,11 +146,9 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
     their memory with ``model``'s parameters (FSDP1's flat parameters included) or ``optimizers``' state, which only
     an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
     accelerator the copy is made at once, into pinned memory at DMA speed."""
-    from lightning_gaudi_fsdp.engine import fsdp1_state
-
     named = [(clean_name(name), param) for name, param in model.named_parameters()]
     names = {id(param): name for name, param in named}
-    flat = fsdp1_state.flat_params(model)
+    flat = fsdp1_internals.flat_params(model)  # FSDP1's, where it holds the shards (none under FSDP2)
     watch: list[tuple[str, torch.Tensor]] = list(named)
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
