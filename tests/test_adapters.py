@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import os
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +16,7 @@ from packaging.version import Version
 from torch import nn
 
 from lightning_gaudi_fsdp import _compat
-from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals, torch_internals
+from lightning_gaudi_fsdp.adapters import buffers, fsdp1_internals, lightning_internals, torch_internals
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
 
@@ -189,6 +190,29 @@ def test_activation_checkpointing_wrapper():
     torch_internals.apply_checkpoint_wrapper(model, check_fn=lambda m: isinstance(m, nn.Linear))
     assert torch_internals.is_checkpoint_wrapper(model[0])
     assert not torch_internals.is_checkpoint_wrapper(model[1])
+
+
+# ---------------------------------------------------------------------------------------------- raw memory (ctypes)
+def test_buffer_addresses_raw_bytes_and_writeback(tmp_path):
+    tensor = torch.arange(24, dtype=torch.float32)
+    chunk = tensor.view(torch.uint8)
+    data = buffers.raw(chunk)  # what the streamed save hands the file: the tensor's own memory, not a copy
+    assert bytes(data) == tensor.numpy().tobytes()
+    assert buffers.address(data) == tensor.data_ptr()
+    assert buffers.address(memoryview(data)[8:]) == tensor.data_ptr() + 8
+    readonly = bytes(range(16))  # torch's zip writer hands over read-only buffers too
+    assert buffers.address(readonly) == buffers.address(memoryview(readonly))
+    assert buffers.address(memoryview(readonly)[3:]) == buffers.address(readonly) + 3
+    with pytest.raises(TypeError):  # not a buffer (CPython says so)
+        buffers.address(3)
+    path = tmp_path / "file"
+    path.write_bytes(bytes(data))
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        buffers.start_writeback(fd, 0, len(data))  # advisory: no error, the bytes unchanged
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == tensor.numpy().tobytes()
 
 
 # --------------------------------------------------------------------------------------------- Lightning internals

@@ -36,7 +36,7 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     other formats)."""
     from lightning_gaudi_fsdp.checkpoint import hf_export
 
-    checkpoint[formats.ENGINE_KEY] = door._config.fsdp_version
+    checkpoint[formats.ENGINE_KEY] = door._engine.version
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
         checkpoint[formats.HF_KEY] = record
@@ -45,7 +45,9 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     if door._state_dict_type != "local":
         return None
     layout = door._engine.local_layout(model)
-    return formats.local_metadata(layout, model, door.sharding_strategy.name, _report.versions(), optimizers)
+    return formats.local_metadata(
+        door._engine.version, layout, model, door.sharding_strategy.name, _report.versions(), optimizers
+    )
 
 
 def background_saver(async_save: bool, timeout: timedelta | None) -> BackgroundSaver | None:
@@ -122,7 +124,7 @@ def save_checkpoint(
         return
     # staged off a Gaudi device into pinned host memory (the same allocator each time keeps the buffers)
     background.use_host_buffers(gaudi.host_staging_allocator(door.root_device.type))
-    defer = written_by_step(model, optimizers)
+    defer = written_by_step(model, optimizers, door._engine.held_tensors(model))
     if stream is not None:
         # The pieces rank 0 receives are views of the ranks' live shards: staged (later, like a sharded save's
         # shards) and sent from those copies over the thread's group; the placeholders stay as they are.
@@ -139,16 +141,14 @@ def save_checkpoint(
     background.save(staged_obj, path, write, rank=door.global_rank, gather=gather, defer=defer)
 
 
-def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
+def written_by_step(model: Module, optimizers: Sequence[Optimizer], held: Sequence[torch.Tensor]) -> Defer:
     """What an asynchronous save may copy while the next forward and backward run: tensors in host memory that share
-    their memory with ``model``'s parameters (FSDP1's flat parameters included) or ``optimizers``' state, which only
+    their memory with ``model``'s parameters (and ``held``: the engine's other shard tensors, FSDP1's flat parameters)
+    or ``optimizers``' state, which only
     an optimizer step writes; the parameters and that state are watched for in-place writes until then. Off an
     accelerator the copy is made at once, into pinned memory at DMA speed."""
-    from lightning_gaudi_fsdp.engine import fsdp1_state
-
     named = [(clean_name(name), param) for name, param in model.named_parameters()]
     names = {id(param): name for name, param in named}
-    flat = fsdp1_state.flat_params(model)
     watch: list[tuple[str, torch.Tensor]] = list(named)
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
@@ -156,7 +156,7 @@ def written_by_step(model: Module, optimizers: Sequence[Optimizer]) -> Defer:
             watch += [(f"{key} of {owner} (optimizer state)", v) for key, v in state.items() if torch.is_tensor(v)]
     live = {
         local.untyped_storage().data_ptr()
-        for tensor in [*(t for _, t in watch), *flat]
+        for tensor in [*(t for _, t in watch), *held]
         for local in space.local_tensors(tensor) or ()
         if local.device.type == "cpu"
     }

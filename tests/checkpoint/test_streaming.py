@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import space, streaming
+from lightning_gaudi_fsdp.checkpoint import space, stream_in_place, streaming
 from lightning_gaudi_fsdp.checkpoint.storage import zip_checksums
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
@@ -103,9 +103,9 @@ def test_other_ranks_write_in_place_only_on_file_systems_that_share_writes(tmp_p
     undecodable = os.fsdecode(b"/mnt/ckpt-\xff")
     assert space.mount_of(f"{undecodable}/last.ckpt") == (undecodable, "xfs")
     assert [
-        streaming._shares_writes(path)
+        stream_in_place.shares_writes(path)
         for path in ("/home/u/last.ckpt", "/mnt/bucket/last.ckpt", "/mnt/ntfs/last.ckpt", "/mnt/bucket/scratch/x")
     ] == [True, False, False, True]
     monkeypatch.setattr(space, "MOUNTS", str(tmp_path / "missing"))
     assert space.mount_of("/home/u/last.ckpt") == ("", "")
-    assert not streaming._shares_writes("/home/u/last.ckpt")
+    assert not stream_in_place.shares_writes("/home/u/last.ckpt")

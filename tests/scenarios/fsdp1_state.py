@@ -64,7 +64,7 @@ def streamed_full_save(
     id, as a rank on another host (another running kernel) would. Returns how the pieces went: ``"in place"``,
     ``"received"`` or ``"in place + received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the
     stream planned nothing."""
-    from lightning_gaudi_fsdp.checkpoint import formats, space, streaming
+    from lightning_gaudi_fsdp.checkpoint import formats, space, stream_in_place
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
     from lightning_gaudi_fsdp.engine.pieces import gather_objects
@@ -77,8 +77,8 @@ def streamed_full_save(
         "optimizer_states": [engine.optimizer_state_dict(model, optimizer, "full", "cpu", rank, plan)],
         "epoch": 3,
     }
-    default, boot_id = streaming._IN_PLACE, space._BOOT_ID
-    streaming._IN_PLACE = default and in_place
+    default, boot_id = stream_in_place._IN_PLACE, space._BOOT_ID
+    stream_in_place._IN_PLACE = default and in_place
     if rank == other_host:  # a boot id of its own: the file rank 0 names is not this kernel's file
         space._BOOT_ID = str(path.parent / f"boot_id_of_rank{rank}")
         Path(space._BOOT_ID).write_text(f"{uuid.uuid4()}\n")
@@ -94,7 +94,7 @@ def streamed_full_save(
             crc32=crc32,
         )
     finally:
-        streaming._IN_PLACE, space._BOOT_ID = default, boot_id
+        stream_in_place._IN_PLACE, space._BOOT_ID = default, boot_id
     if plan is None or not plan.pending:
         return ""
     if rank != 0:

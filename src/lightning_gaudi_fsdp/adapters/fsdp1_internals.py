@@ -131,6 +131,14 @@ def units(model: Module) -> list[UnitView]:
     return [unit for unit in found if unit is not None]
 
 
+def flat_params(model: Module) -> list[torch.Tensor]:
+    """Each FSDP1 unit's flat parameter in ``model``, once each, in module order (none for an FSDP2 model or one
+    without FSDP1 units): the memory FSDP1 keeps a rank's shards in, which ``model.parameters()`` does not list with
+    ``use_orig_params=True``."""
+    found = {id(unit.flat_param): unit.flat_param for unit in units(model)}
+    return list(found.values())
+
+
 def unit_sizes(model: Module) -> dict[str, int]:
     """Each FSDP1 unit's clean name and the elements of its unsharded flat parameter (0 for a unit without one)."""
     sizes = {}

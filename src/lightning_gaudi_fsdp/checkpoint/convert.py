@@ -33,6 +33,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointError,
     bytes_to_write,
     detect_format,
+    local_engine,
     local_shard_name,
     read_local_metadata,
     save_file,
@@ -119,7 +120,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
         rest = internal_view(
             load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
         )
-        if meta.get("engine", 1) == 2:
+        if local_engine(meta) == 2:
             shapes = [(entry["shape"], entry["dtype"]) for entry in meta["parameters"]]
         else:
             shapes = [(shape, entry["dtype"]) for entry in meta["flat_params"] for shape in entry["shapes"]]
@@ -130,7 +131,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
             world_size=meta["world_size"],
             optimizer=bool(shard0.get("optimizer_states")),
             sharding_strategy=meta.get("sharding_strategy"),
-            fsdp_units=len(meta.get("fsdp_units", [])) if meta.get("engine", 1) == 1 else None,
+            fsdp_units=len(meta.get("fsdp_units", [])) if local_engine(meta) == 1 else None,
             **_trainer_fields(rest),
         )
         info["versions"] = meta.get("versions", {})
@@ -176,7 +177,7 @@ def _local_to_full(path: Path, progress: Progress, weights_only: bool) -> tuple[
     rest = internal_view(
         load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
     )
-    if meta.get("engine", 1) == 2:
+    if local_engine(meta) == 2:
         return _fsdp2_local_to_full(path, meta, rest, progress, weights_only)
     world_size = int(meta["world_size"])
     layout = meta["flat_params"]

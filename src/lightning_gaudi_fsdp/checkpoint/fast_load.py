@@ -15,7 +15,9 @@ read in this process alone (no collectives: each rank knows what it needs), plan
 done by the same safe reader as every other read (:mod:`.trust`), fills all of it; the ranks then tell each other
 whether their read failed (damage inside one rank's entry), so that every rank raises the same error naming the file,
 as torch's ``dcp.load`` does (:func:`.loading.load_sharded_fast`); each optimizer then gets its
-state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``.
+state with ``optimizer.load_state_dict`` and the hyper-parameters kept beside the tensors in ``meta.pt``. The engine
+says what it holds: its ``fast_load_params`` hands :func:`plan` a :class:`StateSource` per parameter the optimizers see,
+which builds that parameter's state as it is on this rank and lists its pieces.
 
 :func:`plan` says whether this applies (``None``: the caller takes torch's path): FSDP1 where the package saves
 sharded state itself (:func:`.fsdp1_state.supported`) and with NO_SHARD units (:func:`.fsdp1_state.loadable`: at world
@@ -30,7 +32,7 @@ import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn import Module
@@ -39,7 +41,6 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, merge_groups
 from lightning_gaudi_fsdp.checkpoint.storage import first_line
-from lightning_gaudi_fsdp.engine import fsdp1_state
 
 # A DCP key -> the pieces this rank reads of it: (offsets of the box in the saved tensor, the tensor it goes into,
 # shaped like the box).
@@ -98,7 +99,7 @@ def plan(
     live = _live_copies(model, model_template)
     if live is None:
         return None
-    pieces: Pieces = {f"{model_key}.{k}": _pieces_of(v) for k, v in model_template.items()}
+    pieces: Pieces = {f"{model_key}.{k}": pieces_of(v) for k, v in model_template.items()}
     planned: list[tuple[Optimizer, _Optimizer, list[dict[str, Any]]]] = []
     if load_optimizers and not all(k.startswith(f"{model_key}.") for k in keys):
         saved = _saved_entries(metadata)
@@ -117,7 +118,7 @@ def plan(
     return Plan(pieces, planned, live)
 
 
-def _pieces_of(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+def pieces_of(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """This rank's pieces of a template entry: a ``ShardedTensor``'s local shards, a DTensor's local chunk, or a
     plain tensor whole."""
     from torch.distributed.tensor import DTensor
@@ -170,9 +171,20 @@ def _live_copies(model: Module, template: Mapping[str, Any]) -> list[tuple[torch
 
 
 # ----------------------------------------------------------------------------------------------- optimizer state
-# For each parameter the optimizer sees (by id): the names it stands for, and what builds its state; each engine
-# lists its own (``fsdp1_io.fast_load_params``, ``fsdp2_io.fast_load_params``).
-Params = dict[int, tuple[list[str], Any]]
+class StateSource(Protocol):
+    """What an engine hands :func:`plan` for one parameter its optimizers see (``fsdp1_io.fast_load_params``,
+    ``fsdp2_io.fast_load_params``): it builds that parameter's optimizer state as it is on this rank."""
+
+    def read_state(
+        self, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: Pieces
+    ) -> dict[str, torch.Tensor] | None:
+        """The state tensors, allocated as on this rank, with the pieces the read fills added to ``pieces`` (under
+        ``prefixes``: one per name the parameter stands for; ``entries``: the saved metadata of each, leaf by leaf);
+        ``{}``: no state on this rank; ``None``: torch's path must load it."""
+
+
+# For each parameter the optimizer sees (by id): the names it stands for, and what builds its state.
+Params = dict[int, tuple[list[str], StateSource]]
 
 
 def _optimizer_pieces(
@@ -186,101 +198,47 @@ def _optimizer_pieces(
         for p in group["params"]:
             if id(p) not in params:
                 return None  # a parameter FSDP does not manage: torch's path
-            names, (kind, owner) = params[id(p)]
+            names, source = params[id(p)]
             prefixes = [f"{key}.state.{name}" for name in names]
             entries = [saved.get(prefix, {}) for prefix in prefixes]
             if any(not isinstance(md, TensorStorageMetadata) for e in entries for md in e.values()):
                 return None  # non-tensor state (a Python number): torch's path unpickles it
-            if kind == "flat":
-                if not _flat_state(one, index, owner, prefixes, entries, pieces):
-                    return None
-            elif entries[0]:
-                state = _param_state(kind, owner, prefixes[0], entries[0], pieces)
-                if state is None:
-                    return None
-                if state:
-                    one.state[index] = state
+            state = source.read_state(prefixes, entries, pieces)
+            if state is None:
+                return None
+            if state:
+                one.state[index] = state
             index += 1
     return one
 
 
-def _param_state(
-    kind: str, owner: Any, prefix: str, entries: Mapping[str, Any], pieces: Pieces
-) -> dict[str, torch.Tensor] | None:
-    """The state of one original parameter (FSDP1 with ``use_orig_params``, FSDP2), its pieces added to ``pieces``:
-    a tensor of the parameter's full shape is this rank's piece of it, a 0-dim tensor (``step``) is read whole."""
-    import torch.distributed as dist
+def scalar_state(where: str, md: Any, pieces: Pieces) -> torch.Tensor:
+    """A 0-dim state tensor (``step``), read whole from entry ``where`` (``md``: its saved metadata)."""
+    tensor = torch.empty((), dtype=md.properties.dtype)
+    pieces[where] = [((), tensor)]
+    return tensor
 
+
+def param_state(
+    prefix: str,
+    entries: Mapping[str, Any],
+    shape: tuple[int, ...],
+    pieces: Pieces,
+    allocate: Callable[[torch.dtype], tuple[torch.Tensor, list[tuple[tuple[int, ...], torch.Tensor]]]],
+) -> dict[str, torch.Tensor] | None:
+    """The state of one original parameter of ``shape`` (FSDP1 with ``use_orig_params``, FSDP2), its pieces added to
+    ``pieces``: a tensor of the parameter's full shape is this rank's piece of it (``allocate(dtype)``: the state
+    tensor as on this rank and its pieces), a 0-dim tensor (``step``) is read whole; ``None`` for any other shape."""
     state: dict[str, torch.Tensor] = {}
-    if kind == "orig" and owner.numel_in_shard == 0:
-        return {}  # no element here: FSDP leaves such a parameter without state on this rank, as torch's path does
-    shape = owner.shape if kind == "orig" else tuple(owner.shape)
     for leaf, md in entries.items():
-        dtype, where = md.properties.dtype, f"{prefix}.{leaf}"
+        where = f"{prefix}.{leaf}"
         if tuple(md.size) == ():
-            state[leaf] = torch.empty((), dtype=dtype)
-            pieces[where] = [((), state[leaf])]
+            state[leaf] = scalar_state(where, md, pieces)
         elif tuple(md.size) != tuple(shape):
             return None
-        elif kind == "orig":  # this rank's elements, flat (NO_SHARD: the whole parameter, in its shape)
-            state[leaf] = torch.empty(owner.state_shape, dtype=dtype)
-            pieces[where] = _fsdp1_pieces(owner, state[leaf].view(-1), dist.get_rank())
         else:
-            state[leaf] = _dtensor_like(owner, dtype)
-            pieces[where] = _pieces_of(state[leaf])
+            state[leaf], pieces[where] = allocate(md.properties.dtype)
     return state
-
-
-def _fsdp1_pieces(param: Any, flat_slice: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    return [(tuple(box.offsets), view) for box, view in fsdp1_state.local_pieces(param, flat_slice, rank)]
-
-
-def _dtensor_like(param: Any, dtype: torch.dtype) -> Any:
-    """An empty DTensor laid out as ``param``. State in the parameter's dtype (AdamW's) shares its spec: no autograd
-    function and no spec to validate per tensor (``from_local`` cost a third of a millisecond each, half a second for
-    an 80-layer Llama's 1446 state tensors); another dtype needs a spec of its own."""
-    from torch.distributed.tensor import DTensor
-
-    local = torch.empty(torch_internals.dtensor_local(param).shape, dtype=dtype, device=param.device)
-    if dtype == param.dtype:
-        return torch_internals.dtensor_with_local(param, local)
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
-def _flat_state(
-    one: _Optimizer, index: int, unit: Any, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: Pieces
-) -> bool:
-    """FSDP1 without ``use_orig_params``: the optimizer sees the flat parameter, whose state tensors are this rank's
-    whole (padded) flat shard; each original parameter's pieces are views of its elements there. Padding stays zero,
-    as it is in training (its gradient is zero). A 0-dim entry (``step``) is the same for every parameter of the
-    unit: the first one's is read."""
-    import torch.distributed as dist
-
-    leaves = {leaf: md for e in entries for leaf, md in e.items()}
-    if not leaves:
-        return True
-    if any(set(e) != set(leaves) for e in entries):
-        return False
-    state: dict[str, torch.Tensor] = {}
-    rank = dist.get_rank()
-    for leaf, md in leaves.items():
-        if tuple(md.size) == ():
-            state[leaf] = torch.empty((), dtype=md.properties.dtype)
-            pieces[f"{prefixes[0]}.{leaf}"] = [((), state[leaf])]
-            continue
-        flat = torch.zeros(unit.local.numel(), dtype=md.properties.dtype)
-        for param, prefix, entry in zip(unit.params, prefixes, entries, strict=True):
-            if tuple(entry[leaf].size) != param.shape:
-                return False
-            piece = flat[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
-            pieces[f"{prefix}.{leaf}"] = [
-                (tuple(b.offsets), v) for b, v in fsdp1_state.local_pieces(param, piece, rank)
-            ]
-        state[leaf] = flat
-    one.state[index] = state
-    return True
 
 
 # ----------------------------------------------------------------------------------------------------- reading

@@ -255,20 +255,29 @@ def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Ma
 
 
 def local_metadata(
+    engine_version: int,
     layout: Mapping[str, Any],
     model: Module,
     sharding_strategy: str,
     versions: Mapping[str, str],
     optimizers: Sequence[Optimizer] = (),
 ) -> dict[str, Any]:
-    """A local checkpoint's metadata: ``layout`` (the engine's record of the model, with its ``engine``), the
-    sharding strategy, each optimizer's parameter names and the versions."""
+    """A local checkpoint's metadata: the engine that wrote it (``engine_version``, read back by
+    :func:`local_engine`), ``layout`` (the engine's record of the model), the sharding strategy, each optimizer's
+    parameter names and the versions."""
     return {
+        "engine": engine_version,
         **layout,
         "sharding_strategy": sharding_strategy,
         "optimizer_param_names": [param_id_names(model, optimizer) for optimizer in optimizers],
         "versions": dict(versions),
     }
+
+
+def local_engine(meta: Mapping[str, Any]) -> int:
+    """The engine (1 or 2) that wrote a local checkpoint, from its metadata (:func:`local_metadata`); one written
+    before the package had a second engine records none: FSDP1."""
+    return meta.get("engine", 1)
 
 
 def read_local_metadata(path: Path) -> dict[str, Any]:

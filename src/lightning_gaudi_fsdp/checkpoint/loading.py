@@ -26,6 +26,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     CheckpointError,
     CheckpointFormat,
     detect_format,
+    local_engine,
     local_shard_name,
     merge_groups,
     read_local_metadata,
@@ -133,10 +134,10 @@ def check_local(path: Path, model: Module, engine: Any, world_size: int, rank: i
             f"{world_size}; a local checkpoint only loads at the world size that wrote it. Convert it with "
             f"`lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it at another size",
         )
-    if meta.get("engine", 1) != engine.version:
+    if local_engine(meta) != engine.version:
         raise CheckpointError(
             path,
-            f"this local checkpoint was written by the FSDP{meta.get('engine', 1)} engine and this run uses "
+            f"this local checkpoint was written by the FSDP{local_engine(meta)} engine and this run uses "
             f"FSDP{engine.version} (fsdp_version={engine.version}); a local checkpoint only loads on the engine that "
             f"wrote it. Convert it with `lightning-gaudi-fsdp convert {path} OUT --to sharded` to load it on the "
             "other engine",

@@ -21,6 +21,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     CheckpointError,
     detect_format,
+    local_engine,
     local_shard_name,
     read_local_metadata,
 )
@@ -129,7 +130,7 @@ def _open_local(path: Path, weights_only: bool) -> TensorSource:
     rest = internal_view(
         load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only), path
     )
-    engine2 = meta.get("engine", 1) == 2
+    engine2 = local_engine(meta) == 2
     if engine2:
         layout = meta["parameters"]
         ranks = int(layout[0]["mesh"][-1]) if layout and layout[0].get("mesh") else int(meta["world_size"])

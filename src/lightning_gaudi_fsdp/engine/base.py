@@ -25,6 +25,10 @@ class Engine(Protocol):
     def owns(self, model: Module) -> bool:
         """Whether ``model`` already holds units of this engine (set up before, or wrapped by hand)."""
 
+    def held_tensors(self, model: Module) -> list[Any]:
+        """Tensors holding this rank's shards beyond ``model.named_parameters()`` (FSDP1's flat parameters; none for
+        FSDP2, whose parameters are the shards): what a background save watches besides the parameters."""
+
     def check_arguments(
         self,
         *,
@@ -87,7 +91,8 @@ class Engine(Protocol):
     ) -> dict[str, Any]: ...
 
     def local_layout(self, model: Module) -> dict[str, Any]:
-        """What a local checkpoint records of the model (with ``engine``: this engine's version)."""
+        """What a local checkpoint records of the model (beside :attr:`version`, which the checkpoint code records
+        for every engine: :func:`..checkpoint.formats.local_metadata`)."""
 
     def check_local_layout(self, path: Any, meta: dict[str, Any], model: Module) -> None:
         """Raise ``CheckpointError`` when a local checkpoint's recorded layout does not fit ``model``."""

@@ -27,6 +27,9 @@ class FSDP1:
     def owns(self, model: Module) -> bool:
         return any(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
 
+    def held_tensors(self, model: Module) -> list[Any]:
+        return list(fsdp1_internals.flat_params(model))
+
     def check_arguments(self, *, sharding_strategy: Any, state_dict_type: str, device_mesh: Any, **_: Any) -> None:
         options.check_state_dict_type(state_dict_type, sharding_strategy, device_mesh)
 

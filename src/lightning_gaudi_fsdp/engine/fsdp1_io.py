@@ -4,7 +4,7 @@ engine-neutral parts (detection, saving, checking keys, agreeing) are in :mod:`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name, join_name
-from lightning_gaudi_fsdp.checkpoint import loading
+from lightning_gaudi_fsdp.checkpoint import fast_load, loading
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat, merge_groups
 from lightning_gaudi_fsdp.checkpoint.layout import FLAT_PARAM, flat_param_layout, fsdp_units
 from lightning_gaudi_fsdp.checkpoint.trust import storage_reader
@@ -177,7 +177,7 @@ def optimizer_state_dict(
 
 def local_layout(model: Module) -> dict[str, Any]:
     """What a local checkpoint records of the model: the wrap and each unit's flat-parameter layout."""
-    return {"engine": 1, "fsdp_units": fsdp_units(model), "flat_params": flat_param_layout(model)}
+    return {"fsdp_units": fsdp_units(model), "flat_params": flat_param_layout(model)}
 
 
 # ------------------------------------------------------------------------------------------------------ checking
@@ -221,20 +221,79 @@ def expected_full_shapes(model: Module) -> dict[str, tuple[int, ...]]:
 
 
 # ------------------------------------------------------------------------------------------------------- loading
-def fast_load_params(model: Module) -> dict[int, tuple[list[str], Any]] | None:
+def fast_load_params(model: Module) -> fast_load.Params | None:
     """For :mod:`..checkpoint.fast_load`: each parameter the optimizers see (an original parameter with
     ``use_orig_params``, else a unit's flat parameter) -> the names it stands for and what builds its state; ``None``
     where the package does not fill this model's sharded state itself (:func:`_loads_fast`)."""
     if not _loads_fast(model):
         return None
-    params: dict[int, tuple[list[str], Any]] = {}
+    params: fast_load.Params = {}
     for unit in fsdp1_state.units(model):
         if unit.orig_params:
             for param, orig in zip(unit.params, unit.orig_params, strict=True):
-                params[id(orig)] = ([param.fqn], ("orig", param))
+                params[id(orig)] = ([param.fqn], _OrigParamState(param))
         else:
-            params[id(unit.flat_param)] = ([p.fqn for p in unit.params], ("flat", unit))
+            params[id(unit.flat_param)] = ([p.fqn for p in unit.params], _FlatParamState(unit))
     return params
+
+
+class _OrigParamState:
+    """With ``use_orig_params``: an original parameter's state holds this rank's elements of it, flat (NO_SHARD: the
+    whole parameter, in its shape); each box of them is a piece."""
+
+    def __init__(self, param: Any) -> None:
+        self.param = param
+
+    def read_state(
+        self, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: fast_load.Pieces
+    ) -> dict[str, torch.Tensor] | None:
+        import torch.distributed as dist
+
+        param = self.param
+        if param.numel_in_shard == 0:
+            return {}  # no element here: FSDP leaves such a parameter without state on this rank, as torch's path does
+
+        def allocate(dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[tuple[int, ...], torch.Tensor]]]:
+            tensor = torch.empty(param.state_shape, dtype=dtype)
+            boxes = fsdp1_state.local_pieces(param, tensor.view(-1), dist.get_rank())
+            return tensor, [(tuple(box.offsets), view) for box, view in boxes]
+
+        return fast_load.param_state(prefixes[0], entries[0], param.shape, pieces, allocate)
+
+
+class _FlatParamState:
+    """Without ``use_orig_params`` the optimizer sees the flat parameter, whose state tensors are this rank's whole
+    (padded) flat shard; each original parameter's pieces are views of its elements there. Padding stays zero, as it
+    is in training (its gradient is zero). A 0-dim entry (``step``) is the same for every parameter of the unit: the
+    first one's is read."""
+
+    def __init__(self, unit: Any) -> None:
+        self.unit = unit
+
+    def read_state(
+        self, prefixes: list[str], entries: list[Mapping[str, Any]], pieces: fast_load.Pieces
+    ) -> dict[str, torch.Tensor] | None:
+        import torch.distributed as dist
+
+        leaves = {leaf: md for e in entries for leaf, md in e.items()}
+        if any(set(e) != set(leaves) for e in entries):
+            return None
+        state: dict[str, torch.Tensor] = {}
+        rank = dist.get_rank()
+        for leaf, md in leaves.items():
+            if tuple(md.size) == ():
+                state[leaf] = fast_load.scalar_state(f"{prefixes[0]}.{leaf}", md, pieces)
+                continue
+            flat = torch.zeros(self.unit.local.numel(), dtype=md.properties.dtype)
+            for param, prefix, entry in zip(self.unit.params, prefixes, entries, strict=True):
+                if tuple(entry[leaf].size) != param.shape:
+                    return None
+                piece = flat[param.offset_in_shard : param.offset_in_shard + param.numel_in_shard]
+                pieces[f"{prefix}.{leaf}"] = [
+                    (tuple(b.offsets), v) for b, v in fsdp1_state.local_pieces(param, piece, rank)
+                ]
+            state[leaf] = flat
+        return state
 
 
 def apply_load(

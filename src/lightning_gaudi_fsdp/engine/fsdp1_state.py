@@ -146,10 +146,7 @@ def _whole(unit: fsdp1_internals.UnitView) -> bool:
     return not unit.uses_sharded_strategy and not unit.shard_padding and unit.local_shard.numel() == unit.unpadded_numel
 
 
-def flat_params(model: Module) -> list[torch.Tensor]:
-    """Each FSDP1 unit's flat parameter in ``model``, once each, in module order (none for an FSDP2 model)."""
-    found = {id(unit.flat_param): unit.flat_param for unit in fsdp1_internals.units(model)}
-    return list(found.values())
+flat_params = fsdp1_internals.flat_params  # the engine's name for it (``FSDP1.held_elements``)
 
 
 def units(model: Module) -> Iterator[_Unit]:

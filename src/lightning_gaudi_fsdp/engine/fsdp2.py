@@ -175,6 +175,9 @@ class FSDP2:
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
 
+    def held_tensors(self, model: Module) -> list[Any]:
+        return []  # the parameters are the shards
+
     def check_arguments(self, *, state_dict_type: str, device_mesh: Any, **checked: Any) -> None:
         options.check_fsdp2_arguments(**checked)  # state_dict_type, device_mesh: nothing FSDP2 refuses here
 
