@@ -21,13 +21,25 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _report, gaudi
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import formats, loading, space, storage, streaming
+from lightning_gaudi_fsdp.checkpoint import formats, loading, location, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
 T = TypeVar("T")
+
+
+def agreed_path(door: Any, path: Any, argument: str, call: str) -> Path:
+    """``path`` (an argument of the door's ``call``) as rank 0 has it, on every rank; a URL is refused there, before
+    anything is read or written (see :func:`.location.local_path`)."""
+    return location.local_path(door.broadcast(str(path)), argument, call)
+
+
+def trainer_load_path(strategy: Any, checkpoint_path: Any) -> Path:
+    """:func:`agreed_path` for the ``ckpt_path`` of the Trainer call that restores (``trainer.validate``...)."""
+    call = f"trainer.{strategy.lightning_module.trainer.state.fn.value}"
+    return agreed_path(strategy, checkpoint_path, "ckpt_path", call)
 
 
 def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer]) -> Any:

@@ -10,6 +10,10 @@ new one: the requeued run would find nothing and start over. So with ``preemptio
 the newest last checkpoint of Lightning's own candidates, of the same logger's earlier versions (the folders the same
 ``ModelCheckpoint`` saved to in earlier runs) and, under SLURM, of the requeue checkpoints: what it already means with
 ``logger=False``, where every run shares one folder. Where Lightning's own candidate is the newest, nothing changes.
+
+Before that, in the launching process (before any other process starts) and in every process that torchrun or SLURM
+started, :func:`refuse_urls` refuses a ``ckpt_path`` or a checkpoint folder that is a URL (object storage): nothing has
+been trained, read or written yet (see :mod:`.checkpoint.location`).
 """
 
 from __future__ import annotations
@@ -24,11 +28,38 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_fsdp.adapters import lightning_internals
+from lightning_gaudi_fsdp.checkpoint import location
 
 
 def install(strategy: Any) -> None:
-    """In the Trainer door's ``_configure_launcher``: resolve ``fit(ckpt_path="last")`` as described above."""
-    lightning_internals.resolve_fit_ckpt_path(strategy, resolve_last)
+    """In the Trainer door's ``_configure_launcher``: check and resolve ``fit(ckpt_path=...)`` as described above."""
+    lightning_internals.resolve_fit_ckpt_path(strategy, _checked_and_resolved)
+
+
+def _checked_and_resolved(trainer: Any, ckpt_path: Any) -> Any:
+    refuse_urls(trainer, ckpt_path)
+    return resolve_last(trainer, ckpt_path)
+
+
+def refuse_urls(trainer: Any, ckpt_path: Any) -> None:
+    """Raise :class:`~.location.CheckpointURLError` if ``fit``'s ``ckpt_path`` or a folder this fit saves checkpoints
+    to is a URL: a checkpoint callback's ``dirpath``, else the logger's ``save_dir`` or the Trainer's
+    ``default_root_dir`` it saves under, and where the preemption save goes."""
+    places = [("trainer.fit", "ckpt_path", ckpt_path)] if isinstance(ckpt_path, str | os.PathLike) else []
+    root = ("Trainer", "default_root_dir", trainer.default_root_dir)
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is not None:
+            places.append((type(callback).__name__, "dirpath", dirpath))
+        elif trainer.loggers and trainer.loggers[0].save_dir is not None:
+            places.append((type(trainer.loggers[0]).__name__, "save_dir", trainer.loggers[0].save_dir))
+        else:
+            places.append(root)
+    config = getattr(trainer.strategy, "_config", None)
+    if config is not None and config.preemption == "save" and (not trainer.checkpoint_callbacks or on_slurm(trainer)):
+        places.append(root)  # <default_root_dir>/checkpoints/last.ckpt, or SLURM's hpc_ckpt_<n>.ckpt
+    for call, argument, value in places:
+        location.local_path(value, argument, call)
 
 
 def on_slurm(trainer: Any) -> bool:

@@ -240,7 +240,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
                 f"{list(views.reserved_keys())})"
             )
         device_type = self.root_device.type
-        path = Path(self.broadcast(str(path)))
+        path = _checkpoints.agreed_path(self, path, "path", "fabric.save")
         model_key, model = _find_model(state, self._engine)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
         keep = _filtered(filter or {})
@@ -294,7 +294,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
                 "GaudiFSDPStrategy.load_checkpoint needs a state with the model to load into, e.g. "
                 "fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
-        path = Path(self.broadcast(str(path)))
+        path = _checkpoints.agreed_path(self, path, "path", "fabric.load")
         _checkpoints.wait_for_saves(self, f"loading {str(path)!r}")
         safe = weights_only is not False
         if isinstance(state, Module | Optimizer):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -371,7 +370,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         stream, self._pending_stream = self._pending_stream, None  # taken whatever happens next
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
+        path = _checkpoints.agreed_path(self, filepath, "filepath", "trainer.save_checkpoint")
         optimizers = self.optimizers if "optimizer_states" in checkpoint else ()
         model = self._wrapped_model()
         metadata = _checkpoints.checkpoint_extras(self, model, checkpoint, optimizers)
@@ -407,7 +406,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         model = self._wrapped_model()
         if weights_only is None:
             weights_only = lightning_internals.fit_weights_only(self.lightning_module.trainer)
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = _checkpoints.trainer_load_path(self, checkpoint_path)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         checkpoint = _checkpoints.load_agreed(
             self,

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, space, storage
+from lightning_gaudi_fsdp.checkpoint import commit, location, space, storage
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -65,7 +65,7 @@ class CheckpointError(ValueError):
 
 
 def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
-    path = Path(path)
+    path = location.local_path(path, "path")  # every reader asks first: never a URL taken for a local path
     commit.recover(path)
     if path.is_file():
         return "full"

@@ -33,7 +33,7 @@ import torch
 from torch.nn import Module
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, storage
+from lightning_gaudi_fsdp.checkpoint import commit, location, storage
 from lightning_gaudi_fsdp.checkpoint.formats import HF_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
@@ -248,16 +248,16 @@ def export_hf(
             "exporting to Hugging Face safetensors needs the safetensors package: pip install safetensors "
             "(or the package's examples extra)"
         ) from err
+    src, dst = location.local_path(src, "src"), location.local_path(dst, "dst")
+    config_dir = location.local_path(hf_config, "hf_config") if hf_config is not None else None
     target_dtype = resolve_dtype(dtype)
     max_bytes = resolve_shard_size(max_shard_size)
     if peft not in (None, "adapter", "merged"):
         raise ValueError(f"peft={peft!r} is not supported; expected one of 'adapter', 'merged' (or none)")
-    config_dir = Path(hf_config) if hf_config is not None else None
     if config_dir is not None and not config_dir.is_dir():
         raise ValueError(f"hf_config={str(config_dir)!r} is not a directory")
     if config_dir is not None and peft != "adapter" and not (config_dir / "config.json").is_file():
         raise ValueError(f"hf_config={str(config_dir)!r} has no config.json")
-    dst = Path(dst)
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
     source = open_source(src, weights_only=weights_only)

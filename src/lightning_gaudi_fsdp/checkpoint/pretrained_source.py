@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import hf_names
+from lightning_gaudi_fsdp.checkpoint import hf_names, location
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
 INDEX = hf_names.MODEL_INDEX
@@ -66,7 +66,7 @@ def resolve(pretrained_weights: str | os.PathLike[str] | None, pretrained_prefix
         return None
     if not isinstance(pretrained_weights, str | os.PathLike):
         raise TypeError(f"pretrained_weights={pretrained_weights!r} must be a path; expected {_ACCEPTED}")
-    path = Path(pretrained_weights).expanduser()
+    path = location.local_path(pretrained_weights, "pretrained_weights", "GaudiFSDPStrategy").expanduser()
     shown = f"pretrained_weights={str(pretrained_weights)!r}"
     if not path.exists():
         raise PretrainedWeightsError(f"{shown} does not exist; expected {_ACCEPTED}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit, space
+from lightning_gaudi_fsdp.checkpoint import commit, location, space
 from lightning_gaudi_fsdp.checkpoint.space import Plan, human_bytes, needed_together, same_file_system
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,7 @@ def write_atomically(
     is short (unless the check is off, see :func:`check_free_space_enabled`). Where ``needed`` raises, that rank logs
     the warning "the free-space check before saving PATH did not run: ..." and the file system it writes to is not
     checked; the save goes on (and reports what it cannot write, if anything)."""
-    path = Path(path)
+    path = location.local_path(path, "path")  # every writer saves through here: never a URL taken for a local path
     attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
     attempt.prepare(before, needed, space.check_free_space_enabled(check_free_space))
     for write in writes:
