@@ -144,7 +144,7 @@ def main() -> None:
         max_steps=args.steps,
         max_epochs=math.ceil(args.steps / steps_per_epoch),
         precision="bf16-mixed",
-        logger=False,
+        logger=False,  # the example saves once, by hand, at the end (then exports it); nothing to log per step
         enable_checkpointing=False,
         default_root_dir=str(out),
     )

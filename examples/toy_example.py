@@ -72,7 +72,7 @@ def main() -> None:
         max_steps=args.iterations,
         max_epochs=1,  # one pass over RankRow is the run; without it the progress bar shows "Epoch 0/-2"
         use_distributed_sampler=False,
-        logger=False,
+        logger=False,  # Intel's toy example prints its loss per rank; the LLaMA example shows Lightning's logger
         enable_checkpointing=False,
         enable_model_summary=False,
     )

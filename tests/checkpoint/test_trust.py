@@ -95,7 +95,7 @@ def own(tmp_path_factory) -> dict[str, Path]:
         accelerator="cpu",
         devices=1,
         max_steps=2,
-        logger=False,
+        logger=False,  # the checkpoint's pickled contents are under test, not where a logger puts it
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,

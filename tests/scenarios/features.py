@@ -84,6 +84,8 @@ def _trainer(cfg: dict[str, Any], **kwargs: Any) -> L.Trainer:
         accelerator="cpu",
         devices=1 if reference else 2,
         strategy="auto" if reference else GaudiFSDPStrategy(**cfg.get("strategy", {})),
+        # quiet on purpose: each feature case compares weights with a one-process reference; the logger, checkpointing
+        # and progress bar are covered on Lightning's defaults by the resume, async-save and preemption families
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
