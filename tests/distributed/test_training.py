@@ -214,8 +214,9 @@ def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario, engine):
     )
     info = run.rank(1)
     assert info["precision_plugin"] == "GaudiFSDPPrecision"
-    # Lightning's own FSDPPrecision autocasts on "cuda" only, which leaves this op in fp32 on a CPU run.
+    # Lightning's own FSDPPrecision autocasts on "cuda" only, which leaves a float32 op in fp32 on a CPU run.
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
+    assert info["seen_dtypes"]["training_step_fp32_matmul"] == "torch.bfloat16"
     assert info["fc_forward"]["output"] == "torch.bfloat16"
 
 

@@ -37,6 +37,7 @@ def test_bf16_mixed_autocasts_on_hpu(scenario, engine):
         }
     )
     assert run.rank(0)["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
+    assert run.rank(0)["seen_dtypes"]["training_step_fp32_matmul"] == "torch.bfloat16"
 
 
 @ENGINES

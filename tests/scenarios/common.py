@@ -162,6 +162,10 @@ class Module(L.LightningModule):
         # An fp32 op written outside the model: under "mixed" it must run in low precision.
         probe = x @ x.transpose(0, 1)
         self.seen_dtypes["training_step_matmul"] = str(probe.dtype)
+        # The same op on float32 tensors made here: low precision only where autocast runs (the batch above may
+        # already have been cast, which autocast or not leaves its matmul in low precision).
+        fp32 = x.detach().float()
+        self.seen_dtypes["training_step_fp32_matmul"] = str((fp32 @ fp32.transpose(0, 1)).dtype)
         self.seen_dtypes["target"] = str(y.dtype)
         # y.float(): under "bf16-true" Lightning converts the batch, and mse_loss's backward on torch 2.6-2.9
         # cannot mix dtypes
