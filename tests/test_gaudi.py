@@ -405,6 +405,10 @@ def test_on_a_bound_hccl_group_background_saves_and_module_sync_work_as_on_gaudi
     ``hpu`` tensors only, as Intel's: the background saver's group forms and gathers (torch's ``new_group`` would
     inherit the binding and ask gloo for an ``hpu`` backend), and ``sync_module_states`` gives every rank rank 0's
     weights (a broadcast of host tensors over ``hccl`` fails on Gaudi)."""
+    from packaging.version import Version
+
+    if Version(L.__version__) < Version("2.6"):  # its _setup_distributed passes no device_id to init_process_group
+        pytest.skip("Lightning < 2.6 does not bind the default process group to the device: not this case")
     run = scenario({"devices": 2}, script="gaudi_bound.py")  # ranks started as torchrun would (no relaunch)
     for rank in (0, 1):
         info = run.rank(rank)
