@@ -10,6 +10,7 @@ import torch
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from helpers import slurm_environment
 from lightning_gaudi_fsdp import GaudiAccelerator, GaudiFSDPPrecision, GaudiFSDPStrategy
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
@@ -367,18 +368,7 @@ def test_ckpt_path_last_takes_the_newest_last_checkpoint_of_the_loggers_versions
     assert _resume.resolve_last(trainer(preemption="exit"), "last") == "last"
     assert _resume.resolve_last(trainer(logger=False), "last") == "last"
     assert _resume.resolve_last(trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path / "d")]), "last") == "last"
-    slurm = {
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_JOB_NAME": "train",
-        "SLURM_JOB_ID": "42",
-        "SLURM_NODELIST": "127.0.0.1",
-    }
-    for name, value in slurm.items():
-        monkeypatch.setenv(name, value)
+    slurm_environment(monkeypatch, tasks=2, tasks_per_node=2, rank=0, nodelist="127.0.0.1")
     on_slurm = trainer(logger=False)
     assert _resume.on_slurm(on_slurm)
     assert _resume.preemption_path(on_slurm) == str(tmp_path / "hpc_ckpt_1.ckpt")  # Lightning's requeue name

@@ -9,7 +9,7 @@ import sys
 import lightning as L
 import torch
 
-from helpers import BLOCK, free_port
+from helpers import BLOCK, free_port, slurm_environment
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 
 
@@ -105,21 +105,7 @@ def test_a_rank_lost_on_another_node_is_named_by_its_stalled_heartbeat(tmp_path)
 
 
 def test_slurm_environment_resolves_ranks(monkeypatch):
-    env = {
-        "SLURM_NTASKS": "4",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_PROCID": "3",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "1",
-        "SLURM_JOB_NAME": "train",
-        "SLURM_JOB_ID": "42",
-        "SLURM_NODELIST": "node[01-02]",
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    for key in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning's SLURMEnvironment writes them into os.environ: undone after
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
+    slurm_environment(monkeypatch, tasks=4, tasks_per_node=2, rank=3, nodelist="node[01-02]")
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=GaudiFSDPStrategy(), logger=False)
     strategy = trainer.strategy
     assert type(strategy.cluster_environment).__name__ == "SLURMEnvironment"
