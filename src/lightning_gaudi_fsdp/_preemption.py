@@ -407,7 +407,7 @@ def arm(door: Any) -> None:
         return
     store = None
     if door.world_size > 1:
-        if not _liveness.Heartbeat.available():
+        if not (door._config.heartbeat and _liveness.store_address_known()):
             log.warning(
                 "lightning_gaudi_fsdp: preemption='save' needs the rendezvous store (MASTER_ADDR/MASTER_PORT and the "
                 f"heartbeat, {_liveness._DISABLE_ENV} not 0); a SIGTERM is left to Lightning"

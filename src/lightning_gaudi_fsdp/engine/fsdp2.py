@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -170,7 +170,6 @@ class FSDP2:
     version = 2
     label = "FSDP2 (fully_shard)"
     held_label = "parameter shards per rank"
-    shards_in_place = True
 
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
@@ -186,6 +185,11 @@ class FSDP2:
 
     def mixed_precision_policy(self, mixed_precision: Any) -> Any:
         return options.resolve_mixed_precision_policy(mixed_precision)
+
+    def default_mesh(
+        self, mesh: Any, sharding_strategy: Any, device_type: str, num_nodes: int, num_processes: int, world_size: int
+    ) -> Any:
+        return default_mesh(mesh, sharding_strategy, device_type, num_nodes, num_processes, world_size)
 
     def shard(self, door: Any, model: Module) -> Module:
         return shard(door, model)
@@ -207,8 +211,38 @@ class FSDP2:
 
         return enable_wrap(wrapper_cls=functools.partial(_wrap_unit, door))
 
-    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
-        return nullcontext()  # the LightningModule is the root: each step already runs through its forward
+    def set_up(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        # sharded before (validate/test/predict after fit), or units wrapped by hand in configure_model: the root
+        # recorded stays the same in the first case
+        if self.owns(model):
+            return self.adopt_wrapped(door, model, lightning_setup)
+        return shard(door, model)
+
+    def step(
+        self,
+        door: Any,
+        name: str,
+        context: Callable[[], AbstractContextManager],
+        lightning_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        # FSDP2 shards the LightningModule in place (the door's model is the module): run the step inside its
+        # forward, so the root gathers its own parameters (and casts inputs) as FSDP1's wrapper does.
+        module = door.lightning_module
+        if module is None:
+            raise RuntimeError(f"GaudiFSDPStrategy.{name}: the model is not set up")
+        with context():
+            return lightning_internals.redirect_forward(door, module, name, *args, **kwargs)
+
+    def refuse_optimizers_made_before(self, optimizers: list[Any]) -> None:
+        if optimizers:
+            # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
+            # old ones and would step nothing.
+            raise NotImplementedError(
+                "with fsdp_version=2, set up the model first and create the optimizer from its sharded parameters: "
+                "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))"
+            )
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return clip_grad_norm_(root, max_norm, norm_type)  # DTensor gradients: the norm spans every rank
@@ -276,13 +310,13 @@ def shard(door: Any, model: Module) -> Module:
 
     prepared = _sharding.plan_pretrained(door, model)
     ignored = _sharding.resolve_ignored(door, model)
-    if door.kwargs.get("sync_module_states"):
+    if door._config.sync_module_states:
         _sharding.broadcast_module_states(model)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
-        model, door._activation_checkpointing_kwargs
+        model, door._config.activation_checkpointing_kwargs
     )
     by_hand = [m for m in _post_order(model) if isinstance(m, FSDPModule)]
-    policy = door.kwargs.get("auto_wrap_policy")
+    policy = door._config.auto_wrap_policy
     if by_hand and policy is not None:
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -299,11 +333,11 @@ def shard(door: Any, model: Module) -> Module:
         **_unit_arguments(door),
     )
     device = _sharding.fsdp_device(door)
-    init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
+    init_fn = pretrained.empty_init(device) if prepared is not None else door._config.param_init_fn
     materialize_meta(model, device, init_fn)
     _sharding.load_pretrained(door, model, prepared)
     _sharding.average_replicated_gradients(model, door.world_size)
-    if door.kwargs.get("forward_prefetch"):
+    if door._config.forward_prefetch:
         set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
         force_sum_reductions(model)
@@ -318,7 +352,8 @@ def _unit_arguments(door: Any) -> dict[str, Any]:
 
     return {
         "mesh": mesh(door),
-        "reshard_after_forward": door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        "reshard_after_forward": door._config.sharding_strategy
+        in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
         "mp_policy": door._config.mp_policy or MixedPrecisionPolicy(),
         "offload_policy": _offload_policy(_sharding.effective_cpu_offload(door)) or OffloadPolicy(),
     }
@@ -334,28 +369,38 @@ def _wrap_unit(door: Any, module: Module, **overrides: Any) -> Module:
             f"wrap() with fsdp_version=2 takes no FSDP1 arguments, got {sorted(overrides)}; the strategy's arguments "
             "apply to every unit"
         )
-    if door.kwargs.get("sync_module_states"):
+    if door._config.sync_module_states:
         _sharding.broadcast_module_states(module)
     fully_shard(module, **_unit_arguments(door))
     return module
 
 
 def mesh(door: Any) -> Any:
-    """The door's device mesh: the one given, else one built on the root device's type (hybrid sharding: one
-    replica per node, sharded over the node's devices)."""
+    """The device mesh every unit shards over: built once, when the process group started
+    (:func:`.._platform.build_mesh`, with :meth:`FSDP2.default_mesh`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    built = door._config.device_mesh
+    if not isinstance(built, DeviceMesh):
+        raise RuntimeError(
+            "fsdp_version=2 shards over the device mesh built when the process group starts; it has none"
+        )
+    return built
+
+
+def default_mesh(
+    mesh: Any, sharding_strategy: Any, device_type: str, num_nodes: int, num_processes: int, world_size: int
+) -> Any:
+    """``mesh`` when given, else one built on the root device's type: hybrid sharding gets one replica per node,
+    sharded over the node's devices; the rest one dimension over every rank."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    given = door._device_mesh
-    if isinstance(given, DeviceMesh):
-        return given
-    device_type = door.root_device.type
+    if isinstance(mesh, DeviceMesh):
+        return mesh
     with _exit.recording_group_threads():  # a group's threads, told apart at exit (see _exit)
-        if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
-            shape = (door.num_nodes, door.num_processes)
-            door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            door._device_mesh = init_device_mesh(device_type, (door.world_size,))
-    return door._device_mesh
+        if sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
+            return init_device_mesh(device_type, (num_nodes, num_processes), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world_size,))
 
 
 def _offload_policy(offload: CPUOffload) -> Any:
