@@ -201,6 +201,20 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
 
 
+def test_the_heartbeat_switch_is_an_option_read_where_the_strategy_is_built(monkeypatch):
+    from lightning_gaudi_fsdp import _liveness
+
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_HEARTBEAT", "0")
+    off = GaudiFSDPStrategy()
+    monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_HEARTBEAT")
+    assert (off._config.heartbeat, GaudiFSDPStrategy()._config.heartbeat) == (False, True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    # what after_process_group hands the heartbeat (and preemption="save" checks): off, whatever the environment now
+    assert not _liveness.Heartbeat(0, 2, "node", enabled=off._config.heartbeat).available()
+    assert _liveness.Heartbeat(0, 2, "node").available()
+
+
 def test_async_save_is_off_by_default_and_goes_to_the_background_only_while_fit_trains():
     assert GaudiFSDPStrategy()._background is None
     strategy = GaudiFSDPStrategy(async_save=True, timeout=30, state_dict_type="full")  # every format may save async
