@@ -106,7 +106,7 @@ class FSDP1:
         return module.no_sync()
 
     def mixed_precision_row(self, door: Any) -> str:
-        mp = door._config.mixed_precision
+        mp = door.mixed_precision_config  # see wrap
         if mp is None:
             return "fp32 (no FSDP mixed precision)"
         return f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
@@ -162,7 +162,9 @@ def wrap(door: Any, model: Module) -> Module:
         model = FSDP(
             module=model,
             cpu_offload=_sharding.effective_cpu_offload(door),
-            mixed_precision=door._config.mixed_precision,
+            # Lightning's mixed_precision_config: the mixed_precision argument, else what the precision plugin
+            # (Trainer/Fabric precision="bf16-mixed"...) asks of FSDP1; the plugin is set after construction.
+            mixed_precision=door.mixed_precision_config,
             sharding_strategy=door._config.sharding_strategy,
             device_id=_sharding.fsdp_device(door),
             **_sharding.resolve_ignored(door, model),
@@ -218,7 +220,7 @@ def wrap_context_kwargs(door: Any) -> dict[str, Any]:
     return {
         "wrapper_cls": _wrap_unit,
         "cpu_offload": _sharding.effective_cpu_offload(door, warn=False),
-        "mixed_precision": door._config.mixed_precision,
+        "mixed_precision": door.mixed_precision_config,  # see wrap
         "sharding_strategy": door._config.sharding_strategy,
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
