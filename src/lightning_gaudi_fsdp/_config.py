@@ -8,7 +8,8 @@ on the door (``door._config``) after Lightning's ``__init__``.
 
 Adding an argument: its parameter here in :func:`resolve` (typed, with its default), its docstring line under the
 Trainer door's ``Arguments:``, its :class:`Resolved` field and the ``options.resolve_*`` call that checks it, and the
-code that reads ``door._config.<field>``. Nothing else copies it."""
+code that reads ``door._config.<field>``. Nothing else copies it (docs/architecture.md walks one through;
+tests/test_strategy.py checks every argument is documented and lands in :class:`Resolved`)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class Resolved:
     cpu_offload: CPUOffload
     auto_wrap_policy: Any  # an FSDP1 wrap policy or callable; FSDP2 picks its units with it too
     backward_prefetch: BackwardPrefetch | None
-    mixed_precision: MixedPrecision | None  # FSDP1's (None under FSDP2)
+    # FSDP1's (None under FSDP2); without it FSDP1 takes the precision plugin's (Lightning's mixed_precision_config)
+    mixed_precision: MixedPrecision | None
     mp_policy: Any  # FSDP2's MixedPrecisionPolicy (None under FSDP1)
     param_init_fn: Callable[[Module], None] | None
     sync_module_states: bool
