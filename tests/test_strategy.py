@@ -46,6 +46,7 @@ def test_every_argument_is_documented_and_resolved_into_one_option_object():
     renamed = {
         "activation_checkpointing_policy": "activation_checkpointing_kwargs",
         "compile": "compile_kwargs",
+        "fsdp_version": "engine",
         "pretrained_weights": "pretrained",
         "pretrained_prefix": "pretrained",
     }
@@ -194,7 +195,7 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     strategy = GaudiFSDPStrategy(
         fsdp_version="2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32", "output_dtype": "fp32"}
     )
-    assert strategy._config.fsdp_version == 2
+    assert strategy._config.engine.version == 2
     assert strategy._config.mp_policy == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=True
     )

@@ -63,8 +63,7 @@ class Resolved:
     limit_all_gathers: bool
     use_orig_params: bool
     state_dict_type: str
-    fsdp_version: int
-    engine: engine.Engine  # chosen once, from fsdp_version
+    engine: engine.Engine  # chosen once, from fsdp_version: the one record of it (engine.version)
     ignored_modules: Any
     ignored_states: Any
     device_id: Any
@@ -195,7 +194,6 @@ def resolve(
         limit_all_gathers=limit,
         use_orig_params=orig,
         state_dict_type=state_dict_type,
-        fsdp_version=version,
         engine=chosen,
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
