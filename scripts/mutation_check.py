@@ -65,7 +65,7 @@ MUTATIONS = (
     Mutation(
         "fsdp2-one-unit-avg",
         "one FSDP2 unit keeps torch's AVG reduce-scatter, which HCCL does not offer",
-        "src/lightning_gaudi_fsdp/engine/fsdp2.py",
+        "src/lightning_gaudi_fsdp/engine/fsdp2_apply.py",
         "    for module in model.modules():\n        if isinstance(module, FSDPModule):\n",
         "    for module in model.modules():\n        if isinstance(module, FSDPModule) and module is not model:\n",
         ("tests/test_gaudi.py::test_reductions_on_hccl_use_only_the_ops_hccl_offers",),

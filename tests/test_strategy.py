@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import lightning as L
@@ -12,6 +13,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from helpers import slurm_environment
 from lightning_gaudi_fsdp import GaudiAccelerator, GaudiFSDPPrecision, GaudiFSDPStrategy
+from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy as FabricStrategy
 
 pytestmark = pytest.mark.versions  # also run on the older torch/Lightning pairings in CI
 
@@ -22,9 +24,36 @@ def test_defaults_are_resolved_without_touching_devices():
     assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_PRE
     assert strategy.kwargs["use_orig_params"] is True
     assert strategy.kwargs["limit_all_gathers"] is True
-    assert strategy._state_dict_type == "full"
+    assert strategy._config.state_dict_type == "full"
     assert strategy._config.check_free_space is None  # the environment decides, at each save
     assert strategy.parallel_devices is None  # nothing probed at construction
+
+
+def test_every_argument_is_documented_and_resolved_into_one_option_object():
+    """Adding an argument touches its parameter and docstring line, ``Resolved`` and its resolver, and the code that
+    acts on it (docs/architecture.md): the code acts on ``door._config``, so every argument must land there."""
+    import dataclasses
+    import inspect
+    import re
+
+    from lightning_gaudi_fsdp import _config
+
+    arguments = list(inspect.signature(_config.resolve).parameters)
+    documented = set(re.findall(r"^        (\w+): ", GaudiFSDPStrategy.__doc__, re.MULTILINE))
+    assert [name for name in arguments if name not in documented] == []
+    fields = {field.name for field in dataclasses.fields(_config.Resolved)}
+    # Arguments resolved into a field of another name (the form the code uses):
+    renamed = {
+        "activation_checkpointing_policy": "activation_checkpointing_kwargs",
+        "compile": "compile_kwargs",
+        "fsdp_version": "engine",
+        "pretrained_weights": "pretrained",
+        "pretrained_prefix": "pretrained",
+    }
+    assert [name for name in arguments if renamed.get(name, name) not in fields] == []
+    for name in ("Trainer", "Fabric"):
+        door = GaudiFSDPStrategy if name == "Trainer" else FabricStrategy
+        assert set(arguments) <= set(inspect.signature(door).parameters), name
 
 
 def test_yaml_spellings_become_torch_objects():
@@ -41,8 +70,10 @@ def test_yaml_spellings_become_torch_objects():
     assert isinstance(strategy.kwargs["auto_wrap_policy"], ModuleWrapPolicy)
     assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_POST
     assert strategy.mixed_precision.param_dtype is torch.bfloat16
-    assert strategy._state_dict_type == "sharded"
-    assert strategy._timeout == timedelta(seconds=30)
+    assert strategy._config.state_dict_type == strategy._state_dict_type == "sharded"  # Lightning's copy agrees
+    assert strategy._config.timeout == strategy._timeout == timedelta(seconds=30)
+    assert strategy._config.auto_wrap_policy is strategy.kwargs["auto_wrap_policy"]
+    assert strategy._config.param_init_fn is torch.nn.init.zeros_
     assert strategy.kwargs["param_init_fn"] is torch.nn.init.zeros_
 
 
@@ -164,12 +195,26 @@ def test_fsdp2_mixed_precision_becomes_a_policy():
     strategy = GaudiFSDPStrategy(
         fsdp_version="2", mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32", "output_dtype": "fp32"}
     )
-    assert strategy._config.fsdp_version == 2
+    assert strategy._config.engine.version == 2
     assert strategy._config.mp_policy == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=True
     )
     assert strategy._config.keep_batch_dtypes  # the root leaves the batch alone, as with FSDP1
     assert strategy.mixed_precision is None  # no FSDP1 MixedPrecision is built
+
+
+def test_the_heartbeat_switch_is_an_option_read_where_the_strategy_is_built(monkeypatch):
+    from lightning_gaudi_fsdp import _liveness
+
+    monkeypatch.setenv("LIGHTNING_GAUDI_FSDP_HEARTBEAT", "0")
+    off = GaudiFSDPStrategy()
+    monkeypatch.delenv("LIGHTNING_GAUDI_FSDP_HEARTBEAT")
+    assert (off._config.heartbeat, GaudiFSDPStrategy()._config.heartbeat) == (False, True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    # what after_process_group hands the heartbeat (and preemption="save" checks): off, whatever the environment now
+    assert not _liveness.Heartbeat(0, 2, "node", enabled=off._config.heartbeat).available()
+    assert _liveness.Heartbeat(0, 2, "node").available()
 
 
 def test_async_save_is_off_by_default_and_goes_to_the_background_only_while_fit_trains():
@@ -230,6 +275,23 @@ def test_trainer_precision_is_kept_and_autocasts_on_the_device_type():
     with plugin.forward_context():
         out = torch.ones(2, 2) @ torch.ones(2, 2)
     assert out.dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("engine", [1, pytest.param(2, marks=pytest.mark.fsdp2)])
+def test_mixed_precision_with_a_trainer_precision_warns_on_both_engines(engine):
+    strategy = GaudiFSDPStrategy(fsdp_version=engine, mixed_precision={"param_dtype": "bf16"})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", logger=False)
+    expected = (
+        "GaudiFSDPStrategy(mixed_precision=...) sets FSDP's parameter/reduce/buffer dtypes and overrides the dtypes "
+        "Trainer(precision='bf16-mixed') would choose for them; autocast and input casting still follow the "
+        "Trainer's precision."
+    )
+    # The Trainer's setup hands the model to _setup_model, which warns before sharding; the sharding itself needs the
+    # process group of a launched run (a scenario's), absent here, and fails after the warning.
+    warns = pytest.warns(UserWarning, match="overrides the dtypes")
+    with warns as record, contextlib.suppress(RuntimeError, ValueError):
+        trainer.strategy._setup_model(torch.nn.Linear(2, 2))
+    assert [str(w.message) for w in record if "overrides the dtypes" in str(w.message)] == [expected]
 
 
 def test_16_mixed_scaler_targets_the_device_in_use():

@@ -52,13 +52,13 @@ def checkpoint_extras(door: Any, model: Module, checkpoint: dict[str, Any], opti
     record = hf_export.hf_model_record(model)
     if record is not None:  # where the Hugging Face model sits, and its PEFT adapter configuration (for export)
         checkpoint[formats.HF_KEY] = record
-    if door._state_dict_type == "full" and checkpoint.get("optimizer_states"):
+    if door._config.state_dict_type == "full" and checkpoint.get("optimizer_states"):
         checkpoint[formats.PARAM_ID_NAMES_KEY] = formats.param_id_names(model)
-    if door._state_dict_type != "local":
+    if door._config.state_dict_type != "local":
         return None
     layout = door._engine.local_layout(model)
     return formats.local_metadata(
-        door._engine.version, layout, model, door.sharding_strategy.name, _report.versions(), optimizers
+        door._engine.version, layout, model, door._config.sharding_strategy.name, _report.versions(), optimizers
     )
 
 
@@ -71,7 +71,7 @@ def full_stream(door: Any) -> FullStream | None:
     """A :class:`~.checkpoint.streaming.FullStream` for the next full checkpoint of ``door``, or None: only for
     ``state_dict_type="full"`` and a torch whose writer the stream was checked with. The caller makes sure nothing
     but :func:`save_checkpoint` reads the checkpoint built with it."""
-    if door._state_dict_type != "full":
+    if door._config.state_dict_type != "full":
         return None
     return FullStream(door.global_rank) if streaming.available() else None
 
@@ -118,7 +118,7 @@ def save_checkpoint(
     thread streams the file from those copies."""
     save = functools.partial(
         formats.save,
-        door._state_dict_type,
+        door._config.state_dict_type,
         path=path,
         rank=door.global_rank,
         world_size=door.world_size,

@@ -8,7 +8,8 @@ on the door (``door._config``) after Lightning's ``__init__``.
 
 Adding an argument: its parameter here in :func:`resolve` (typed, with its default), its docstring line under the
 Trainer door's ``Arguments:``, its :class:`Resolved` field and the ``options.resolve_*`` call that checks it, and the
-code that reads ``door._config.<field>``. Nothing else copies it."""
+code that reads ``door._config.<field>``. Nothing else copies it (docs/architecture.md walks one through;
+tests/test_strategy.py checks every argument is documented and lands in :class:`Resolved`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn import Module, Parameter
 
-from lightning_gaudi_fsdp import _preemption, _rendezvous, module_options, options
+from lightning_gaudi_fsdp import _liveness, _preemption, _rendezvous, module_options, options
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import base as engine
 
@@ -39,15 +40,30 @@ _Init = TypeVar("_Init", bound=Callable[..., None])
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """Every constructor argument, checked and in the form the strategies use."""
+    """Every option the package acts on, checked and in the form the code that acts on it uses. Engines and helpers
+    read ``door._config`` and nothing else (not Lightning's ``kwargs`` or its private copies of the options)."""
 
     parent: dict[str, Any]  # arguments of Lightning's FSDPStrategy.__init__ (Trainer's and Fabric's take the same)
+    process_group_backend: str | None  # None: hccl on Gaudi, gloo on CPU (see _platform.process_group_backend)
+    timeout: timedelta
+    sharding_strategy: ShardingStrategy
     process_group: Any
+    # The argument (None, [replicas, shard] or a DeviceMesh) until the process group exists; then the one DeviceMesh
+    # the engine uses (built once: _platform.build_mesh, with the engine's default_mesh); FSDP1 may take none.
     device_mesh: Any
+    cpu_offload: CPUOffload
+    auto_wrap_policy: Any  # an FSDP1 wrap policy or callable; FSDP2 picks its units with it too
+    backward_prefetch: BackwardPrefetch | None
+    # FSDP1's (None under FSDP2); without it FSDP1 takes the precision plugin's (Lightning's mixed_precision_config)
+    mixed_precision: MixedPrecision | None
+    mp_policy: Any  # FSDP2's MixedPrecisionPolicy (None under FSDP1)
+    param_init_fn: Callable[[Module], None] | None
+    sync_module_states: bool
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
     state_dict_type: str
-    fsdp_version: int
-    engine: engine.Engine  # chosen once, from fsdp_version
-    mp_policy: Any
+    engine: engine.Engine  # chosen once, from fsdp_version: the one record of it (engine.version)
     ignored_modules: Any
     ignored_states: Any
     device_id: Any
@@ -60,9 +76,15 @@ class Resolved:
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
+    heartbeat: bool  # LIGHTNING_GAUDI_FSDP_HEARTBEAT not "0": the liveness heartbeat, and preemption="save" with it
     preemption: str  # "save" or "exit"
     preemption_grace: float  # seconds from a SIGTERM until every rank has left
     async_save: bool
+
+    @property
+    def has_mixed_precision(self) -> bool:
+        """Whether ``mixed_precision`` sets FSDP's dtypes, on either engine."""
+        return self.mixed_precision is not None or self.mp_policy is not None
 
 
 def resolve(
@@ -156,12 +178,23 @@ def resolve(
         raise ValueError("ignored_modules and ignored_states are mutually exclusive; pass only one of them")
     return Resolved(
         parent=parent,
+        process_group_backend=parent["process_group_backend"],
+        timeout=parent["timeout"],
+        sharding_strategy=sharding,
         process_group=process_group,
         device_mesh=mesh,
-        state_dict_type=state_dict_type,
-        fsdp_version=version,
-        engine=chosen,
+        cpu_offload=parent["cpu_offload"],
+        auto_wrap_policy=wrap_policy,
+        backward_prefetch=prefetch,
+        mixed_precision=parent["mixed_precision"],
         mp_policy=mp_policy,
+        param_init_fn=parent["param_init_fn"],
+        sync_module_states=parent["sync_module_states"],
+        forward_prefetch=parent["forward_prefetch"],
+        limit_all_gathers=limit,
+        use_orig_params=orig,
+        state_dict_type=state_dict_type,
+        engine=chosen,
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
         device_id=options.resolve_device_id(device_id),
@@ -178,6 +211,7 @@ def resolve(
         pretrained=weights,
         failure_timeout=_rendezvous.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),
+        heartbeat=_liveness.heartbeat_switch(),
         preemption=options.resolve_preemption(preemption),
         preemption_grace=options.resolve_preemption_grace(preemption_grace),
         async_save=options.resolve_bool(async_save, "async_save"),
@@ -223,22 +257,36 @@ def takes_arguments(**door_defaults: Any) -> Callable[[_Init], _Init]:
 
 
 def adopt(door: Any, resolved: Resolved, kwargs: dict[str, Any]) -> None:
-    """After Lightning's ``__init__``: keep the resolved arguments on the strategy as ``door._config`` (the one place
-    the package reads them from) with the engine they choose, and set the Lightning attributes Lightning's own code
-    reads (``kwargs``: the FSDP keyword arguments Lightning collected)."""
-    if resolved.process_group is None:
-        kwargs.pop("process_group", None)
-    # Kept apart from the kwargs: Lightning would build a tuple mesh on "cuda"; it is built on our device.
-    kwargs.pop("device_mesh", None)
+    """After Lightning's ``__init__``: keep the resolved options on the strategy as ``door._config`` (the one place
+    the package reads them from) with the engine they choose, and set, here only, what Lightning's own code reads
+    (``kwargs``: the FSDP keyword arguments Lightning collected, ``door.kwargs`` / ``door._fsdp_kwargs``)."""
     door._config = resolved
     door._engine = resolved.engine  # the door asks it for what differs
-    door._device_mesh = resolved.device_mesh  # replaced by the mesh built once the process group exists
-    door._state_dict_type = resolved.state_dict_type
-    door._activation_checkpointing_kwargs = resolved.activation_checkpointing_kwargs  # Lightning's hand-wrapped path
+    # Lightning's own code that still runs under these doors, and what it reads (set once, here):
+    # - ``kwargs``: FSDPStrategy.setup_optimizers (Trainer) and setup_module_and_optimizers/setup_optimizer (Fabric)
+    #   read ``use_orig_params``; _setup_model (Trainer) and setup_module (Fabric) drop ``auto_wrap_policy`` from it
+    #   for a root wrapped by hand; their setup_environment would build a tuple ``device_mesh`` on "cuda", so the
+    #   mesh is kept out of it (built on our device: _platform.after_process_group), and so is an unset
+    #   ``process_group``.
+    # - ``_activation_checkpointing_kwargs``: _setup_model (Trainer) and setup_module (Fabric) apply it to a root
+    #   wrapped by hand (engine.fsdp1.FSDP1.adopt_wrapped hands such a root to them).
+    # - ``_state_dict_type``: Lightning's __init__ already set it from ``resolved.parent``; its readers (the
+    #   doors' save/load and state-dict hooks) are all overridden, and the package reads ``_config.state_dict_type``.
+    if resolved.process_group is None:
+        kwargs.pop("process_group", None)
+    kwargs.pop("device_mesh", None)
+    door._activation_checkpointing_kwargs = resolved.activation_checkpointing_kwargs
     door._fsdp_root = None
     door._cache_off_in_training = []  # transformers models whose KV cache is off in training
     door._heartbeat = None
     door._preempt = None  # the SIGTERM watcher while one runs (preemption="save")
+
+
+def with_mesh(door: Any, mesh: Any) -> None:
+    """Once the process group exists: the device mesh built from ``device_mesh`` replaces the argument in
+    ``door._config`` (the only change a :class:`Resolved` sees after construction)."""
+    if mesh is not door._config.device_mesh:
+        door._config = dataclasses.replace(door._config, device_mesh=mesh)
 
 
 _SIGNATURE = inspect.signature(resolve)

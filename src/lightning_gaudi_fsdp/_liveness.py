@@ -46,6 +46,18 @@ _REPORTED = "_lightning_gaudi_fsdp_reported"  # set on an exception once reporte
 _uncaught: Heartbeat | None = None  # the heartbeat whose rank reports exceptions that end the script
 
 
+def heartbeat_switch() -> bool:
+    """``LIGHTNING_GAUDI_FSDP_HEARTBEAT``: anything but ``0`` (default on) runs the heartbeat, and with it
+    ``preemption="save"``. Read once, where the strategy is built (``_config.Resolved.heartbeat``)."""
+    return os.environ.get(_DISABLE_ENV, "1") != "0"
+
+
+def store_address_known() -> bool:
+    """Whether this rank knows the rendezvous store's address (``MASTER_ADDR``/``MASTER_PORT``, set by its
+    launcher)."""
+    return "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+
+
 class Heartbeat:
     """A daemon thread that bumps this rank's counter in the rendezvous store every ``interval_s`` seconds."""
 
@@ -57,8 +69,10 @@ class Heartbeat:
         interval_s: float = 1.0,
         bound_s: float | None = None,
         stuck_s: float | None = None,
+        enabled: bool = True,
     ) -> None:
         self.rank = rank
+        self.enabled = enabled  # the strategy's resolved switch (_config.Resolved.heartbeat)
         self.world_size = world_size
         self.node = node
         self.interval_s = interval_s
@@ -74,9 +88,8 @@ class Heartbeat:
         self._own_error: int | None = None  # the order of this rank's own error among all recorded
         self._acks_lock = threading.Lock()
 
-    @staticmethod
-    def available() -> bool:
-        return os.environ.get(_DISABLE_ENV, "1") != "0" and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+    def available(self) -> bool:
+        return self.enabled and store_address_known()
 
     def start(self) -> None:
         if self._thread is not None or not self.available():

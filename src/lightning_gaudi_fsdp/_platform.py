@@ -3,9 +3,9 @@ group and mesh, the liveness heartbeat, HCCL reductions and the object all-gathe
 
 Lightning's Trainer and Fabric ``FSDPStrategy`` classes share no base beyond ``ParallelStrategy`` of different
 packages, so the functions here (and in :mod:`._sharding`) take the strategy object itself (``door``) and read the
-attributes both doors have: Lightning's (``kwargs``, ``sharding_strategy``, ``cpu_offload``,
-``mixed_precision_config``, ``root_device``, ``world_size``, ``num_nodes``, ``num_processes``, ``parallel_devices``,
-``process_group_backend``) and the resolved arguments as ``door._config`` (see :func:`._config.adopt`).
+attributes both doors have: Lightning's runtime facts (``root_device``, ``world_size``, ``num_nodes``,
+``num_processes``, ``parallel_devices``, ``process_group_backend``) and the resolved options as ``door._config``
+(see :func:`._config.adopt`), never Lightning's copies of the options.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from lightning_gaudi_fsdp import _exit, _liveness, _preemption, _rendezvous, gaudi
+from lightning_gaudi_fsdp import _config, _exit, _liveness, _preemption, _rendezvous, gaudi
 
 
 class GaudiPlatform:
@@ -38,7 +38,7 @@ class GaudiPlatform:
     def _get_process_group_backend(self) -> str:
         return process_group_backend(
             self.root_device.type,
-            self._process_group_backend,  # type: ignore[attr-defined]
+            self._config.process_group_backend,  # type: ignore[attr-defined]
             super()._get_process_group_backend,  # type: ignore[misc]
         )
 
@@ -125,7 +125,7 @@ def check_mesh_size(mesh: Any, world_size: int) -> None:
 
 def before_launch(door: Any) -> None:
     """In ``_configure_launcher``: what must fail (or be set) before any process starts."""
-    check_mesh_size(door._device_mesh, door.num_processes * door.num_nodes)
+    check_mesh_size(door._config.device_mesh, door.num_processes * door.num_nodes)
     if not door.cluster_environment.creates_processes_externally:
         _rendezvous.mark_launcher()  # this process starts the other ranks (Lightning's launcher)
     else:
@@ -146,16 +146,9 @@ def before_process_group(door: Any) -> None:
 
 
 def after_process_group(door: Any) -> None:
-    """In ``setup_environment``, once the process group exists: the hybrid mesh on our device, the heartbeat."""
-    if isinstance(door._device_mesh, tuple):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        check_mesh_size(door._device_mesh, door.world_size)
-        door._device_mesh = init_device_mesh(
-            door.root_device.type, door._device_mesh, mesh_dim_names=("replicate", "shard")
-        )
-    if door._device_mesh is not None:
-        door.kwargs["device_mesh"] = door._device_mesh
+    """In ``setup_environment``, once the process group exists: the device mesh (built once, on our device), the
+    heartbeat."""
+    _config.with_mesh(door, build_mesh(door))
     if door.world_size > 1 and door._heartbeat is None:
         node = f"{socket.gethostname()}/node{door.node_rank}"
         door._heartbeat = _liveness.Heartbeat(
@@ -164,12 +157,28 @@ def after_process_group(door: Any) -> None:
             node,
             bound_s=door._config.failure_timeout,
             stuck_s=door._config.stuck_timeout,
+            enabled=door._config.heartbeat,
         )
         door._heartbeat.start()
         # An exception that ends the script outside the door's own hooks (Fabric has none; after the Trainer's
         # teardown, a script's own collective) still names the rank that was lost.
         _liveness.report_uncaught(door._heartbeat)
     _preemption.arm(door)
+
+
+def build_mesh(door: Any) -> Any:
+    """The device mesh the engine shards over: ``device_mesh=[replicas, shard_size]`` built on the root device's type
+    (Lightning would build it on "cuda"), a given ``DeviceMesh`` as it is, else the engine's own choice (FSDP1: none;
+    FSDP2: one over every rank, or one replica per node for hybrid sharding). A mesh built before is kept."""
+    mesh = door._config.device_mesh
+    if isinstance(mesh, tuple):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        check_mesh_size(mesh, door.world_size)
+        mesh = init_device_mesh(door.root_device.type, mesh, mesh_dim_names=("replicate", "shard"))
+    return door._engine.default_mesh(
+        mesh, door._config.sharding_strategy, door.root_device.type, door.num_nodes, door.num_processes, door.world_size
+    )
 
 
 def stop_heartbeat(door: Any) -> None:

@@ -55,12 +55,15 @@ def configuration_table(strategy: Any, model: Module, held_per_rank: list[int], 
     engine = strategy._engine
     rows = [
         ("engine", engine.label),
-        ("sharding", strategy.sharding_strategy.name),
+        ("sharding", strategy._config.sharding_strategy.name),
         ("FSDP units", str(engine.unit_count(model))),
         (engine.held_label, _held_row(held_per_rank)),
         ("mixed precision", engine.mixed_precision_row(strategy)),
         precision,
-        ("state_dict_type", strategy._state_dict_type + (", saved in the background" if strategy._background else "")),
+        (
+            "state_dict_type",
+            strategy._config.state_dict_type + (", saved in the background" if strategy._background else ""),
+        ),
         ("backend", str(strategy.process_group_backend)),
         ("device", str(strategy.root_device)),
         ("world size", str(strategy.world_size)),
@@ -111,7 +114,7 @@ def check_ranks_agree(door: Any, model: Module) -> list[int]:
     """Ranks that wrapped the model differently would deadlock or corrupt in the first collective: compare a
     fingerprint of the wrapping on every rank first and fail on all of them with the difference. Returns the
     flat-parameter elements (FSDP1) or parameter-shard elements (FSDP2) each rank holds."""
-    own = fingerprint(door._engine, model, door.sharding_strategy.name)
+    own = fingerprint(door._engine, model, door._config.sharding_strategy.name)
     gathered_pairs = gather_objects((own, door._engine.held_elements(model)), door.world_size)
     message = disagreement([pair[0] for pair in gathered_pairs])
     if message is not None:

@@ -37,20 +37,21 @@ def fsdp_device(door: Any) -> torch.device:
 def effective_cpu_offload(door: Any, warn: bool = True) -> CPUOffload:
     from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-    if door.cpu_offload.offload_params and fsdp_device(door).type == "cpu":
+    if door._config.cpu_offload.offload_params and fsdp_device(door).type == "cpu":
         # FSDP pins offloaded shards, which needs an accelerator; on a CPU run they already live in CPU memory.
         if warn:
             rank_zero_warn("cpu_offload=True has no effect when the model already runs on the CPU; it is ignored.")
         return CPUOffload(offload_params=False)
-    return door.cpu_offload
+    return door._config.cpu_offload
 
 
 def warn_if_precision_overlaps(door: Any) -> None:
-    """Warn (Trainer door) that ``mixed_precision`` overrides the dtypes the Trainer's precision would choose."""
+    """Warn (Trainer door) that ``mixed_precision`` overrides the dtypes the Trainer's precision would choose (either
+    engine: FSDP1's ``MixedPrecision`` or FSDP2's ``MixedPrecisionPolicy``)."""
     from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
     plugin_precision = door.precision_plugin.precision
-    if door.mixed_precision is not None and plugin_precision != "32-true":
+    if door._config.has_mixed_precision and plugin_precision != "32-true":
         rank_zero_warn(
             f"GaudiFSDPStrategy(mixed_precision=...) sets FSDP's parameter/reduce/buffer dtypes and overrides the "
             f"dtypes Trainer(precision={plugin_precision!r}) would choose for them; autocast and input casting "
@@ -61,7 +62,7 @@ def warn_if_precision_overlaps(door: Any) -> None:
 def refuse_parameter_groups(door: Any, cause: ValueError | None) -> None:
     """Raise when ``door``'s optimizers have several parameter groups that FSDP would flatten together
     (``use_orig_params=False``); ``cause``: Lightning's own refusal, chained."""
-    if door.kwargs.get("use_orig_params"):
+    if door._config.use_orig_params:
         return
     groups = max((len(optimizer.param_groups) for optimizer in door.optimizers), default=0)
     if groups > 1:

@@ -109,7 +109,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         )
         _config.adopt(self, resolved, self._fsdp_kwargs)
         self._backward_sync_control = _NoSync(self._engine)
-        self._background = _checkpoints.background_saver(resolved.async_save, self._timeout)
+        self._background = _checkpoints.background_saver(resolved.async_save, resolved.timeout)
         if self._background is not None:
             self._background.active = True  # every fabric.save, until teardown
         self._waits_at_exit = False
@@ -168,10 +168,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
     def setup_module(self, module: Module) -> Module:
 
         engine = self._engine
-        if engine.owns(module):  # sharded before (FSDP2) or wrapped by hand in init_module (FSDP1)
-            module = engine.adopt_wrapped(self, module, super().setup_module)
-        else:
-            module = engine.shard(self, module)
+        module = engine.set_up(self, module, super().setup_module)
         if self._config.compile_kwargs is not None:
             _sharding.compile_root(self, module)
         self.precision.attach(module, engine)
@@ -181,13 +178,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
-        if self._engine.shards_in_place and optimizers:
-            # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
-            # old ones and would step nothing.
-            raise NotImplementedError(
-                "with fsdp_version=2, set up the model first and create the optimizer from its sharded parameters: "
-                "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))"
-            )
+        self._engine.refuse_optimizers_made_before(optimizers)
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     @override
@@ -231,7 +222,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         """Write ``state`` to ``path`` in ``state_dict_type``'s format (see the class docstring)."""
         if storage_options is not None:
             raise TypeError("GaudiFSDPStrategy.save_checkpoint does not take storage_options")
-        fmt = self._state_dict_type
+        fmt = self._config.state_dict_type
         _check_filter(filter, state, fmt)
         clash = [key for key in state if key in views.reserved_keys()]
         if clash:

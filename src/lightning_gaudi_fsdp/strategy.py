@@ -162,7 +162,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             **resolved.parent,
         )
         _config.adopt(self, resolved, self.kwargs)
-        self._background = _checkpoints.background_saver(resolved.async_save, self._timeout)
+        self._background = _checkpoints.background_saver(resolved.async_save, resolved.timeout)
         self._pending_stream: FullStream | None = None  # the full checkpoint being built, streamed (see below)
         self._fsdp_root: Module | None = None
         self._cache_off_in_training: list[str] = []  # transformers models whose KV cache is off in training
@@ -217,35 +217,11 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        if self._engine.shards_in_place:
-            return self._setup_in_place(model)
         previous = self._fsdp_root
-        if previous is not None and previous.module is model:
-            # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
-            # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
-            model = previous
-        elif self._engine.owns(model):
-            model = self._engine.adopt_wrapped(self, model, super()._setup_model)
-        else:
+        if previous is None:  # the first model this strategy sets up
             _sharding.warn_if_precision_overlaps(self)
-            model = self._engine.shard(self, model)
-        # shard and adopt_wrapped recorded the root in self._fsdp_root
-        if self._config.compile_kwargs is not None and previous is not model:
-            _sharding.compile_root(self, model)
-        self.precision_plugin.attach(model, self._engine)
-        return model
-
-    def _setup_in_place(self, model: Module) -> Module:
-        previous = self._fsdp_root
-        if self._engine.owns(model):
-            # units wrapped by hand in configure_model get their root; sharded before (validate/test/predict after
-            # fit): nothing to do, and the root recorded stays the same
-            self._engine.adopt_wrapped(self, model, super()._setup_model)
-            if self._fsdp_root is previous:
-                return model
-        else:
-            self._engine.shard(self, model)
-        if self._config.compile_kwargs is not None:
+        model = self._engine.set_up(self, model, super()._setup_model)  # records the root in self._fsdp_root
+        if self._config.compile_kwargs is not None and self._fsdp_root is not previous:
             _sharding.compile_root(self, model)
         self.precision_plugin.attach(model, self._engine)
         return model
@@ -272,45 +248,23 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, root = self.lightning_module, self._fsdp_root
-        if self._engine.shards_in_place:
-            return self._through_root("training_step", self.precision_plugin.train_step_context, args, kwargs)
-        if module is None or module.automatic_optimization or root is None:
-            return super().training_step(*args, **kwargs)
-        # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
-        # cannot run manual_backward. Run it outside, and send the module's own forward (``self(x)``) through the
-        # root, as Fabric users call their wrapped model.
-        with self.precision_plugin.train_step_context(), self._engine.forward_through_root(root, module):
-            return module.training_step(*args, **kwargs)
+        context = self.precision_plugin.train_step_context
+        return self._engine.step(self, "training_step", context, super().training_step, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine.shards_in_place:
-            return self._through_root("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-        return super().validation_step(*args, **kwargs)
+        context = self.precision_plugin.val_step_context
+        return self._engine.step(self, "validation_step", context, super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine.shards_in_place:
-            return self._through_root("test_step", self.precision_plugin.test_step_context, args, kwargs)
-        return super().test_step(*args, **kwargs)
+        context = self.precision_plugin.test_step_context
+        return self._engine.step(self, "test_step", context, super().test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine.shards_in_place:
-            return self._through_root("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-        return super().predict_step(*args, **kwargs)
-
-    def _through_root(
-        self, method: str, context: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        # FSDP2 shards the LightningModule in place (self.model is the module): run the step inside its forward,
-        # so the root gathers its own parameters (and casts inputs) as FSDP1's wrapper does.
-        module = self.lightning_module
-        if module is None:
-            raise RuntimeError(f"GaudiFSDPStrategy.{method}: the model is not set up")
-        with context():
-            return lightning_internals.redirect_forward(self, module, method, *args, **kwargs)
+        context = self.precision_plugin.predict_step_context
+        return self._engine.step(self, "predict_step", context, super().predict_step, args, kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -351,7 +305,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         model = self._wrapped_model()
         # Kept until save_checkpoint writes it (see _checkpoints.trainer_full_stream); the next checkpoint replaces it.
         self._pending_stream = stream = _checkpoints.trainer_full_stream(self)
-        return self._engine.model_state_dict(model, self._state_dict_type, self.root_device.type, stream)
+        return self._engine.model_state_dict(model, self._config.state_dict_type, self.root_device.type, stream)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -362,7 +316,7 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         model = self._wrapped_model()
         stream = self._pending_stream if lightning_internals.building_checkpoint_to_save() else None
         return self._engine.optimizer_state_dict(
-            model, optimizer, self._state_dict_type, self.root_device.type, self.global_rank, stream
+            model, optimizer, self._config.state_dict_type, self.root_device.type, self.global_rank, stream
         )
 
     @override

@@ -218,6 +218,9 @@ def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario, engine):
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
     assert info["seen_dtypes"]["training_step_fp32_matmul"] == "torch.bfloat16"
     assert info["fc_forward"]["output"] == "torch.bfloat16"
+    if engine == 1:  # as with Lightning's FSDPStrategy, the precision plugin gives FSDP1 units bf16 parameters
+        assert info["units"]
+        assert all("param_dtype=torch.bfloat16" in unit["mixed_precision"] for unit in info["units"])
 
 
 def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):

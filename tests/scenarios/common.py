@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -352,3 +353,8 @@ class ShardedLoads(logging.Handler):
         message = record.getMessage()
         self.counts["fast"] += message.startswith("read straight into this rank's shards")
         self.counts["torch"] += message.startswith("torch's path loads")
+
+
+def set_state_dict_type(strategy: Any, fmt: str) -> None:
+    """Switch the format the next saves write (the strategy reads it from its resolved options)."""
+    strategy._config = dataclasses.replace(strategy._config, state_dict_type=fmt)

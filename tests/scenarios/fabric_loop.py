@@ -91,7 +91,7 @@ def raw_checks(
     """After training: ``fabric.load_raw`` from ``ckpt`` (any format; ``at_load``: the weights it holds, on rank 0)
     and from a plain ``torch.save`` file, and, with a full-format strategy, ``fabric.save(filter=...)``. What every
     rank saw."""
-    rank, fmt = fabric.global_rank, fabric.strategy._state_dict_type
+    rank, fmt = fabric.global_rank, fabric.strategy._config.state_dict_type
     seen: dict[str, Any] = {}
     trained = full_weights(model, rank)
     fabric.seed_everything(11)
@@ -170,10 +170,10 @@ def save_lightning_layout(path: str, model: Any, optimizer: Any, state: dict[str
 
     strategy, rank = fabric.strategy, fabric.global_rank
     unwrapped = {k: v._forward_module if v is model else v.optimizer if v is optimizer else v for k, v in state.items()}
-    if strategy._state_dict_type == "sharded" and strategy._config.fsdp_version == 1:
+    if strategy._config.state_dict_type == "sharded" and strategy._engine.version == 1:
         FSDPStrategy.save_checkpoint(strategy, path, unwrapped)
         return
-    if strategy._state_dict_type == "sharded":
+    if strategy._config.state_dict_type == "sharded":
         _save_checkpoint(Path(path), unwrapped, full_state_dict=False, rank=rank)
         return
     engine = engine_of(model._forward_module)
@@ -245,7 +245,7 @@ def main() -> None:
     optimizer, scheduler = make_optimizer(model.parameters())
     optimizer = fabric.setup_optimizers(optimizer)
     info["precision"] = type(fabric.strategy.precision).__name__
-    info["engine"] = fabric.strategy._config.fsdp_version
+    info["engine"] = fabric.strategy._engine.version
     info["units"] = list(engine_of(model._forward_module).fingerprint(model._forward_module))  # by name
     initial = full_weights(model, rank)
 

@@ -18,7 +18,7 @@ os.environ.setdefault("FAKE_HCCL_DEVICES", "cpu,hpu")
 import habana_frameworks.torch.distributed.hccl  # noqa: E402,F401  (registers the fake backend)
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy, _compat  # noqa: E402
-from lightning_gaudi_fsdp.engine import fsdp2  # noqa: E402
+from lightning_gaudi_fsdp.engine import fsdp2_apply  # noqa: E402
 
 
 def _refused(fn: Any) -> str | None:
@@ -50,9 +50,9 @@ def _fsdp2_grads(force_sum: bool) -> dict[str, torch.Tensor]:
 
     torch.manual_seed(0)
     model = Net()
-    units = fsdp2.select_units(model, ModuleWrapPolicy({Block}))
+    units = fsdp2_apply.select_units(model, ModuleWrapPolicy({Block}))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    fsdp2.apply_fsdp2(
+    fsdp2_apply.apply_fsdp2(
         model,
         units,
         mesh=mesh,
@@ -63,7 +63,7 @@ def _fsdp2_grads(force_sum: bool) -> dict[str, torch.Tensor]:
         root_casts_inputs=True,
     )
     if force_sum:
-        fsdp2.force_sum_reductions(model)
+        fsdp2_apply.force_sum_reductions(model)
     x, y = _batch()
     rank, world = dist.get_rank(), dist.get_world_size()
     share = slice(rank * len(x) // world, (rank + 1) * len(x) // world)

@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, dump_replicated, load_config, write_json
+from common import QUIET_TRAINER, dump_replicated, load_config, set_state_dict_type, write_json
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -97,11 +97,11 @@ class Probe(Callback):
         self.losses.append(float(outputs["loss"]))
         if trainer.global_step != self.save_at or not self.save:
             return
-        configured = trainer.strategy._state_dict_type
+        configured = trainer.strategy._config.state_dict_type
         for fmt, path in self.save.items():  # one run, each format
-            trainer.strategy._state_dict_type = fmt
+            set_state_dict_type(trainer.strategy, fmt)
             trainer.save_checkpoint(path)
-        trainer.strategy._state_dict_type = configured
+        set_state_dict_type(trainer.strategy, configured)
         state = _full_weights(trainer, pl_module)
         if trainer.global_rank == 0:
             torch.save(state, self.out / "at_save.pt")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from common import QUIET_TRAINER, Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, set_state_dict_type, write_json
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from train import leave
 
@@ -87,7 +87,7 @@ class FailingSaves(Callback):
             results = {case["name"]: self.run_case(trainer, case) for case in self.cfg["cases"]}
             write_json(Path(self.cfg["out"]), f"cases{trainer.global_rank}.json", results)
             final = self.cfg["final"]
-            trainer.strategy._state_dict_type = final["fmt"]
+            set_state_dict_type(trainer.strategy, final["fmt"])
             os.environ[CHECK_FREE_SPACE_ENV] = "1" if final["check"] else "0"
         elif trainer.global_step == 2:  # ModelCheckpoint saves after this hook: leave half its last checkpoint free
             if trainer.global_rank == 0:
@@ -100,7 +100,7 @@ class FailingSaves(Callback):
         strategy, rank = trainer.strategy, trainer.global_rank
         home = self.root / case["name"]
         good, bad = home / "good.ckpt", home / "sub" / "next.ckpt"
-        strategy._state_dict_type = case["fmt"]
+        set_state_dict_type(strategy, case["fmt"])
         os.environ[CHECK_FREE_SPACE_ENV] = "1" if case["check"] else "0"
         trainer.save_checkpoint(good)
         repair = break_target(case, self.root, home, good, rank)

@@ -23,6 +23,7 @@ from common import (
     dump_replicated,
     load_config,
     record_what_outlives,
+    set_state_dict_type,
     status_bytes,
     write_json,
 )
@@ -290,7 +291,7 @@ class Soak(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if step % self.every == 0:  # ModelCheckpoint saves right after this hook
-            trainer.strategy._state_dict_type = self.formats[(step // self.every) % len(self.formats)]
+            set_state_dict_type(trainer.strategy, self.formats[(step // self.every) % len(self.formats)])
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         step = trainer.global_step

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from common import QUIET_TRAINER, Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, set_state_dict_type, write_json
 from lightning.pytorch.callbacks import Callback
 from train import leave
 
@@ -58,11 +58,11 @@ class SaveAllFormats(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
             strategy = trainer.strategy
-            original = strategy._state_dict_type
+            original = strategy._config.state_dict_type
             for fmt in FORMATS:
-                strategy._state_dict_type = fmt
+                set_state_dict_type(strategy, fmt)
                 trainer.save_checkpoint(self.directory / fmt)
-            strategy._state_dict_type = original
+            set_state_dict_type(strategy, original)
 
 
 class Payload:

@@ -20,7 +20,6 @@ class Engine(Protocol):
     version: int  # the fsdp_version, as checkpoints record it
     label: str  # the start table's "engine" row
     held_label: str  # what a rank holds: flat parameters (FSDP1) or parameter shards (FSDP2)
-    shards_in_place: bool  # FSDP2 shards the LightningModule itself; FSDP1 wraps it in a new root module
 
     def owns(self, model: Module) -> bool:
         """Whether ``model`` already holds units of this engine (set up before, or wrapped by hand)."""
@@ -48,6 +47,12 @@ class Engine(Protocol):
     def mixed_precision_policy(self, mixed_precision: Any) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` from the ``mixed_precision`` argument (None for FSDP1)."""
 
+    def default_mesh(
+        self, mesh: Any, sharding_strategy: Any, device_type: str, num_nodes: int, num_processes: int, world_size: int
+    ) -> Any:
+        """The device mesh this engine shards over, once the process group exists: ``mesh`` (``None`` or the
+        ``DeviceMesh`` built from the argument) or one of its own (FSDP2 always shards over one)."""
+
     def shard(self, door: Any, model: Module) -> Module:
         """Shard ``model`` (no unit inside yet) with the door's resolved arguments; returns the root."""
 
@@ -60,9 +65,27 @@ class Engine(Protocol):
         """Around the model's construction: ``wrap(module)`` calls inside it make ``module`` a unit of this engine,
         with the door's arguments (the rest of the model becomes the root unit at setup: :meth:`adopt_wrapped`)."""
 
-    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
-        """While active, ``module(...)`` runs as the FSDP ``root``'s forward (manual optimisation on the Trainer
-        door, where ``training_step`` runs outside the root)."""
+    def set_up(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        """Set ``model`` up for training (either door): the root set up before for this model as it is (the
+        Trainer's validate/test/predict after fit), :meth:`adopt_wrapped` for one that holds units already, else
+        :meth:`shard`. Records the root on the door (``door._fsdp_root``) and returns it."""
+
+    def step(
+        self,
+        door: Any,
+        name: str,
+        context: Callable[[], AbstractContextManager],
+        lightning_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The Trainer door's ``training_step``/``validation_step``/``test_step``/``predict_step`` (``name``): run
+        inside the FSDP root's forward, so the root gathers its own parameters (and casts inputs). ``context``: the
+        precision plugin's step context; ``lightning_step``: Lightning's own step, which calls the root."""
+
+    def refuse_optimizers_made_before(self, optimizers: list[Any]) -> None:
+        """Fabric's ``setup_module_and_optimizers``: raise when optimizers made before sharding cannot step the
+        sharded parameters (FSDP2 replaces every parameter)."""
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip by the norm over every shard on every rank."""

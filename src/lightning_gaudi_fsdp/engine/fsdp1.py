@@ -22,7 +22,6 @@ class FSDP1:
     version = 1
     label = "FSDP1 (FullyShardedDataParallel)"
     held_label = "flat parameters per rank"
-    shards_in_place = False
 
     def owns(self, model: Module) -> bool:
         return any(isinstance(m, fsdp1_internals.fsdp_class()) for m in model.modules())
@@ -39,6 +38,9 @@ class FSDP1:
     def mixed_precision_policy(self, mixed_precision: Any) -> None:
         return None
 
+    def default_mesh(self, mesh: Any, sharding_strategy: Any, device_type: str, *sizes: int) -> Any:
+        return mesh  # FSDP1 makes its own groups without one
+
     def shard(self, door: Any, model: Module) -> Module:
         return wrap(door, model)
 
@@ -53,7 +55,7 @@ class FSDP1:
         if not isinstance(model, fsdp1_internals.fsdp_class()):
             return wrap(door, model)
         model = lightning_setup(model)
-        if door._activation_checkpointing_kwargs:
+        if door._config.activation_checkpointing_kwargs:
             door._cache_off_in_training = activation.apply_cache_off_in_training(model)
         if isinstance(model, fsdp1_internals.fsdp_class()):
             _sharding.keep_batch_dtypes(door, model)
@@ -64,8 +66,36 @@ class FSDP1:
 
         return enable_wrap(**wrap_context_kwargs(door))
 
-    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
-        return forward_through_root(root, module)
+    def set_up(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        previous = door._fsdp_root
+        if previous is not None and previous.module is model:
+            # trainer.validate/test/predict after fit hand back the bare LightningModule, whose FSDP children still
+            # hold their shards; re-wrapping it would treat the root's sharded views as full parameters.
+            return previous
+        if self.owns(model):
+            return self.adopt_wrapped(door, model, lightning_setup)
+        return wrap(door, model)
+
+    def step(
+        self,
+        door: Any,
+        name: str,
+        context: Callable[[], AbstractContextManager],
+        lightning_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        module, root = door.lightning_module, door._fsdp_root
+        if name != "training_step" or module is None or module.automatic_optimization or root is None:
+            return lightning_step(*args, **kwargs)  # Lightning runs the step inside the wrapper's forward
+        # Manual optimization: Lightning would run the whole training_step inside the root's forward, where FSDP
+        # cannot run manual_backward. Run it outside, and send the module's own forward (``self(x)``) through the
+        # root, as Fabric users call their wrapped model.
+        with context(), forward_through_root(root, module):
+            return module.training_step(*args, **kwargs)
+
+    def refuse_optimizers_made_before(self, optimizers: list[Any]) -> None:
+        return None  # the wrapper keeps the module's parameters (use_orig_params) or Lightning refuses them
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return root.clip_grad_norm_(max_norm, norm_type)  # type: ignore[operator]
@@ -76,7 +106,7 @@ class FSDP1:
         return module.no_sync()
 
     def mixed_precision_row(self, door: Any) -> str:
-        mp = door.mixed_precision_config
+        mp = door.mixed_precision_config  # see wrap
         if mp is None:
             return "fp32 (no FSDP mixed precision)"
         return f"param={mp.param_dtype}, reduce={mp.reduce_dtype}, buffer={mp.buffer_dtype}"
@@ -112,7 +142,7 @@ def wrap(door: Any, model: Module) -> Module:
     activation checkpointing and keep the batch dtypes when asked; records the root on ``door``."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    kwargs = dict(door.kwargs)
+    kwargs = fsdp_arguments(door._config)
     if kwargs.get("auto_wrap_policy") is not None and any(isinstance(m, FSDP) for m in model.modules()):
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -132,8 +162,10 @@ def wrap(door: Any, model: Module) -> Module:
         model = FSDP(
             module=model,
             cpu_offload=_sharding.effective_cpu_offload(door),
+            # Lightning's mixed_precision_config: the mixed_precision argument, else what the precision plugin
+            # (Trainer/Fabric precision="bf16-mixed"...) asks of FSDP1; the plugin is set after construction.
             mixed_precision=door.mixed_precision_config,
-            sharding_strategy=door.sharding_strategy,
+            sharding_strategy=door._config.sharding_strategy,
             device_id=_sharding.fsdp_device(door),
             **_sharding.resolve_ignored(door, model),
             **kwargs,
@@ -147,10 +179,30 @@ def wrap(door: Any, model: Module) -> Module:
     _sharding.load_pretrained(door, model, prepared)
     _sharding.average_replicated_gradients(model, door.world_size)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
-        model, door._activation_checkpointing_kwargs
+        model, door._config.activation_checkpointing_kwargs
     )
     _sharding.keep_batch_dtypes(door, model)
     return model
+
+
+def fsdp_arguments(config: Any) -> dict[str, Any]:
+    """The ``FullyShardedDataParallel`` keyword arguments every unit takes from the resolved options (beside the
+    device, offload, mixed precision, sharding strategy and ignored modules, which :func:`wrap` decides)."""
+    arguments: dict[str, Any] = {
+        "backward_prefetch": config.backward_prefetch,
+        "param_init_fn": config.param_init_fn,
+        "sync_module_states": config.sync_module_states,
+        "forward_prefetch": config.forward_prefetch,
+        "limit_all_gathers": config.limit_all_gathers,
+        "use_orig_params": config.use_orig_params,
+    }
+    if config.process_group is not None:
+        arguments["process_group"] = config.process_group
+    if config.auto_wrap_policy is not None:
+        arguments["auto_wrap_policy"] = config.auto_wrap_policy
+    if config.device_mesh is not None:
+        arguments["device_mesh"] = config.device_mesh
+    return arguments
 
 
 def _mixed_requires_grad_message(unit: str) -> str:
@@ -164,12 +216,12 @@ def _mixed_requires_grad_message(unit: str) -> str:
 def wrap_context_kwargs(door: Any) -> dict[str, Any]:
     """The arguments of ``enable_wrap`` for ``wrap()`` calls while the model is built: those of automatic wrapping,
     with a device."""
-    kwargs = {k: v for k, v in door.kwargs.items() if k != "auto_wrap_policy"}
+    kwargs = {k: v for k, v in fsdp_arguments(door._config).items() if k != "auto_wrap_policy"}
     return {
         "wrapper_cls": _wrap_unit,
         "cpu_offload": _sharding.effective_cpu_offload(door, warn=False),
-        "mixed_precision": door.mixed_precision_config,
-        "sharding_strategy": door.sharding_strategy,
+        "mixed_precision": door.mixed_precision_config,  # see wrap
+        "sharding_strategy": door._config.sharding_strategy,
         "device_id": _sharding.fsdp_device(door),
         **kwargs,
     }

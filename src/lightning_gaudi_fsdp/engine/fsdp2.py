@@ -1,18 +1,17 @@
 """The FSDP2 engine: ``torch.distributed.fsdp.fully_shard`` (one DTensor per parameter, no flat parameters).
 
-The ``apply_*`` functions take resolved values (a mesh, a ``MixedPrecisionPolicy``, the units to shard), torchtitan's
-``apply_fsdp`` style; :func:`shard` decides them from the door's arguments, and :class:`FSDP2` is the engine object
-the doors hold (see :mod:`.base`). The LightningModule itself becomes the FSDP2 root,
-so its own parameters are gathered when its forward runs, and the strategy runs each step through that forward as it
-does for FSDP1.
+The ``apply_*`` functions (:mod:`.fsdp2_apply`) take resolved values (a mesh, a ``MixedPrecisionPolicy``, the units
+to shard), torchtitan's ``apply_fsdp`` style; :func:`shard` decides them from the door's resolved options, and
+:class:`FSDP2` is the engine object the doors hold (see :mod:`.base`). The LightningModule itself becomes the FSDP2
+root, so its own parameters are gathered when its forward runs, and the strategy runs each step through that forward
+as it does for FSDP1.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,115 +23,18 @@ from lightning_gaudi_fsdp import _exit, _sharding, options
 from lightning_gaudi_fsdp.adapters import fsdp1_internals, lightning_internals
 from lightning_gaudi_fsdp.checkpoint import pretrained
 from lightning_gaudi_fsdp.engine import fsdp2_io, fsdp2_state
+from lightning_gaudi_fsdp.engine.fsdp2_apply import (
+    apply_fsdp2,
+    force_sum_reductions,
+    materialize_meta,
+    post_order,
+    select_units,
+    set_forward_prefetch,
+)
 from lightning_gaudi_fsdp.engine.fsdp2_state import is_fsdp2
 
 if TYPE_CHECKING:
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
-
-log = logging.getLogger("lightning_gaudi_fsdp")
-
-
-def select_units(root: Module, policy: Any, ignored: Iterable[Module] = ()) -> list[Module]:
-    """The modules below ``root`` that ``policy`` (an FSDP1 auto-wrap policy: module classes, size-based, callable)
-    makes their own unit, bottom-up. Like FSDP1, a unit owns the parameters of its subtree not owned by a unit
-    below it, which is what a size-based policy counts."""
-    if policy is None:
-        return []
-    skip = set(ignored)
-    if fsdp1_internals.is_policy(policy) and not callable(policy):
-        targets = fsdp1_internals.policy_targets(policy, root, skip)
-        return [m for m in _post_order(root) if m in targets and m is not root]
-    chosen: list[Module] = []
-    owned: set[int] = set()
-    for module in _post_order(root):
-        if module is root or module in skip:
-            continue
-        free = [p for p in module.parameters() if id(p) not in owned]
-        if policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in free)):
-            chosen.append(module)
-            owned.update(id(p) for p in free)
-    return chosen
-
-
-def _post_order(root: Module) -> list[Module]:
-    order: list[Module] = []
-
-    def visit(module: Module) -> None:
-        for child in module.children():
-            visit(child)
-        order.append(module)
-
-    visit(root)
-    return order
-
-
-def apply_fsdp2(
-    root: Module,
-    units: Sequence[Module],
-    *,
-    mesh: Any,
-    reshard_after_forward: bool,
-    mp_policy: Any,
-    offload_policy: Any,
-    ignored_params: set[Parameter] | None,
-    root_casts_inputs: bool,
-) -> None:
-    """``fully_shard`` each unit bottom-up, then the root. ``root_casts_inputs=False`` keeps the root from casting
-    the batch (the units below still cast their own inputs)."""
-    import dataclasses
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {
-        "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
-        "mp_policy": mp_policy or MixedPrecisionPolicy(),
-        "offload_policy": offload_policy or OffloadPolicy(),
-    }
-    if ignored_params:
-        kwargs["ignored_params"] = ignored_params  # torch >= 2.7, checked before launch
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    root_kwargs = dict(kwargs)
-    if not root_casts_inputs:
-        root_kwargs["mp_policy"] = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
-    fully_shard(root, **root_kwargs)
-    log.info("FSDP2: fully_shard applied to %d unit(s) and the root", len(units))
-
-
-def set_forward_prefetch(units: Sequence[Module]) -> None:
-    """Each unit starts the next unit's all-gather before its own forward (FSDP1's ``forward_prefetch``)."""
-    for unit, following in zip(units, units[1:], strict=False):
-        unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
-
-
-def force_sum_reductions(model: Module) -> None:
-    """HCCL documents SUM, MIN and MAX only: reduce-scatter with SUM and divide, never AVG or PREMUL_SUM."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-
-
-def materialize_meta(root: Module, device: torch.device, param_init_fn: Callable[[Module], None] | None) -> int:
-    """Allocate the shards of parameters and buffers still on the meta device on ``device`` and initialise them,
-    module by module: ``param_init_fn(module)`` when given (as FSDP1 calls it), else ``reset_parameters()``.
-    Returns how many modules were initialised."""
-    count = 0
-    for module in root.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if not any(t.is_meta for t in tensors):
-            continue
-        if param_init_fn is not None:
-            param_init_fn(module)  # materialises the module, as FSDP1 expects of it
-        else:
-            module.to_empty(device=device, recurse=False)
-            if callable(getattr(module, "reset_parameters", None)):
-                with torch.no_grad():
-                    module.reset_parameters()  # type: ignore[operator]
-        count += 1
-    return count
 
 
 def held_elements(model: Module) -> int:
@@ -170,7 +72,6 @@ class FSDP2:
     version = 2
     label = "FSDP2 (fully_shard)"
     held_label = "parameter shards per rank"
-    shards_in_place = True
 
     def owns(self, model: Module) -> bool:
         return is_fsdp2(model)
@@ -186,6 +87,11 @@ class FSDP2:
 
     def mixed_precision_policy(self, mixed_precision: Any) -> Any:
         return options.resolve_mixed_precision_policy(mixed_precision)
+
+    def default_mesh(
+        self, mesh: Any, sharding_strategy: Any, device_type: str, num_nodes: int, num_processes: int, world_size: int
+    ) -> Any:
+        return default_mesh(mesh, sharding_strategy, device_type, num_nodes, num_processes, world_size)
 
     def shard(self, door: Any, model: Module) -> Module:
         return shard(door, model)
@@ -207,8 +113,38 @@ class FSDP2:
 
         return enable_wrap(wrapper_cls=functools.partial(_wrap_unit, door))
 
-    def forward_through_root(self, root: Module, module: Module) -> AbstractContextManager:
-        return nullcontext()  # the LightningModule is the root: each step already runs through its forward
+    def set_up(self, door: Any, model: Module, lightning_setup: Callable[[Module], Module]) -> Module:
+        # sharded before (validate/test/predict after fit), or units wrapped by hand in configure_model: the root
+        # recorded stays the same in the first case
+        if self.owns(model):
+            return self.adopt_wrapped(door, model, lightning_setup)
+        return shard(door, model)
+
+    def step(
+        self,
+        door: Any,
+        name: str,
+        context: Callable[[], AbstractContextManager],
+        lightning_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        # FSDP2 shards the LightningModule in place (the door's model is the module): run the step inside its
+        # forward, so the root gathers its own parameters (and casts inputs) as FSDP1's wrapper does.
+        module = door.lightning_module
+        if module is None:
+            raise RuntimeError(f"GaudiFSDPStrategy.{name}: the model is not set up")
+        with context():
+            return lightning_internals.redirect_forward(door, module, name, *args, **kwargs)
+
+    def refuse_optimizers_made_before(self, optimizers: list[Any]) -> None:
+        if optimizers:
+            # fully_shard replaces every parameter by a new DTensor parameter: an optimizer made before holds the
+            # old ones and would step nothing.
+            raise NotImplementedError(
+                "with fsdp_version=2, set up the model first and create the optimizer from its sharded parameters: "
+                "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))"
+            )
 
     def clip_grad_norm(self, root: Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return clip_grad_norm_(root, max_norm, norm_type)  # DTensor gradients: the norm spans every rank
@@ -276,13 +212,13 @@ def shard(door: Any, model: Module) -> Module:
 
     prepared = _sharding.plan_pretrained(door, model)
     ignored = _sharding.resolve_ignored(door, model)
-    if door.kwargs.get("sync_module_states"):
+    if door._config.sync_module_states:
         _sharding.broadcast_module_states(model)
     door._cache_off_in_training = activation.apply_activation_checkpointing(
-        model, door._activation_checkpointing_kwargs
+        model, door._config.activation_checkpointing_kwargs
     )
-    by_hand = [m for m in _post_order(model) if isinstance(m, FSDPModule)]
-    policy = door.kwargs.get("auto_wrap_policy")
+    by_hand = [m for m in post_order(model) if isinstance(m, FSDPModule)]
+    policy = door._config.auto_wrap_policy
     if by_hand and policy is not None:
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -299,11 +235,11 @@ def shard(door: Any, model: Module) -> Module:
         **_unit_arguments(door),
     )
     device = _sharding.fsdp_device(door)
-    init_fn = pretrained.empty_init(device) if prepared is not None else door.kwargs.get("param_init_fn")
+    init_fn = pretrained.empty_init(device) if prepared is not None else door._config.param_init_fn
     materialize_meta(model, device, init_fn)
     _sharding.load_pretrained(door, model, prepared)
     _sharding.average_replicated_gradients(model, door.world_size)
-    if door.kwargs.get("forward_prefetch"):
+    if door._config.forward_prefetch:
         set_forward_prefetch(units)
     if door.process_group_backend == "hccl":
         force_sum_reductions(model)
@@ -318,7 +254,8 @@ def _unit_arguments(door: Any) -> dict[str, Any]:
 
     return {
         "mesh": mesh(door),
-        "reshard_after_forward": door.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        "reshard_after_forward": door._config.sharding_strategy
+        in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
         "mp_policy": door._config.mp_policy or MixedPrecisionPolicy(),
         "offload_policy": _offload_policy(_sharding.effective_cpu_offload(door)) or OffloadPolicy(),
     }
@@ -334,28 +271,38 @@ def _wrap_unit(door: Any, module: Module, **overrides: Any) -> Module:
             f"wrap() with fsdp_version=2 takes no FSDP1 arguments, got {sorted(overrides)}; the strategy's arguments "
             "apply to every unit"
         )
-    if door.kwargs.get("sync_module_states"):
+    if door._config.sync_module_states:
         _sharding.broadcast_module_states(module)
     fully_shard(module, **_unit_arguments(door))
     return module
 
 
 def mesh(door: Any) -> Any:
-    """The door's device mesh: the one given, else one built on the root device's type (hybrid sharding: one
-    replica per node, sharded over the node's devices)."""
+    """The device mesh every unit shards over: built once, when the process group started
+    (:func:`.._platform.build_mesh`, with :meth:`FSDP2.default_mesh`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    built = door._config.device_mesh
+    if not isinstance(built, DeviceMesh):
+        raise RuntimeError(
+            "fsdp_version=2 shards over the device mesh built when the process group starts; it has none"
+        )
+    return built
+
+
+def default_mesh(
+    mesh: Any, sharding_strategy: Any, device_type: str, num_nodes: int, num_processes: int, world_size: int
+) -> Any:
+    """``mesh`` when given, else one built on the root device's type: hybrid sharding gets one replica per node,
+    sharded over the node's devices; the rest one dimension over every rank."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    given = door._device_mesh
-    if isinstance(given, DeviceMesh):
-        return given
-    device_type = door.root_device.type
+    if isinstance(mesh, DeviceMesh):
+        return mesh
     with _exit.recording_group_threads():  # a group's threads, told apart at exit (see _exit)
-        if door.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
-            shape = (door.num_nodes, door.num_processes)
-            door._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            door._device_mesh = init_device_mesh(device_type, (door.world_size,))
-    return door._device_mesh
+        if sharding_strategy in (ShardingStrategy.HYBRID_SHARD, fsdp1_internals.hybrid_zero2()):
+            return init_device_mesh(device_type, (num_nodes, num_processes), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world_size,))
 
 
 def _offload_policy(offload: CPUOffload) -> Any:
