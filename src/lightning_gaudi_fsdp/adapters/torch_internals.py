@@ -122,12 +122,13 @@ def dcp_load_no_dist(state: dict[str, Any], reader: Any, planner: Any) -> None:
     _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
-def dcp_save_no_dist(state: dict[str, Any], path: str) -> None:
+def dcp_save_no_dist(state: dict[str, Any], path: str, storage_writer: Any = None) -> None:
     """torch 2.6's ``dcp.save`` has no ``no_dist``; its private entry point, which ``save`` itself calls, has."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(path)
+    _save_state_dict(state, storage_writer=writer, no_dist=True)
 
 
 def empty_load_planner(keys: set[str] | None = None) -> Any:
@@ -275,3 +276,22 @@ def is_checkpoint_wrapper(module: Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     return isinstance(module, CheckpointWrapper)
+
+
+def fsspec_dcp_writer(url: str) -> Any:
+    """torch's distributed-checkpoint writer into the folder at an fsspec ``url`` (``FsspecWriter``, from the private
+    ``_fsspec_filesystem`` on every supported torch). No fsync: an object store has none, and torch's fallback for a
+    stream without a file descriptor is ``os.sync()`` of the whole host."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, sync_files=False)
+
+
+def read_through_fsspec(reader: Any, url: str) -> Any:
+    """Point a ``FileSystemReader`` (or subclass) at the folder at an fsspec ``url``: what torch's ``FsspecReader``
+    does in its constructor (its ``FileSystem`` is in the private ``_fsspec_filesystem``)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    reader.fs = FileSystem()
+    reader.path = reader.fs.init_path(url)
+    return reader
