@@ -123,9 +123,20 @@ class Remote:
 
     def write_bytes(self, data: bytes) -> None:
         self.fs.pipe_file(self.key, data)
+        _forget_listings(self)
 
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
+
+
+def _forget_listings(where: Remote) -> None:
+    """fsspec's default client of ``where``'s protocol, the one Lightning's ``ModelCheckpoint`` uses, caches folder
+    listings; after a commit or a removal it forgets the folder's, or it would answer ``exists`` from before it (and
+    ``ModelCheckpoint`` would write ``ckpt.ckpt`` again where a local folder gets ``ckpt-v1.ckpt``)."""
+    import fsspec
+
+    with contextlib.suppress(Exception):
+        fsspec.filesystem(where.protocol).invalidate_cache(where.parent.key)
 
 
 Where = Union[Path, Remote]  # noqa: UP007 - a runtime alias
@@ -226,7 +237,7 @@ def remove(where: Where) -> None:
     if isinstance(where, Remote):
         with contextlib.suppress(FileNotFoundError):
             where.fs.rm(where.key, recursive=True)
-        where.fs.invalidate_cache(where.parent.key)
+        _forget_listings(where)
         return
     import shutil
 

@@ -1,0 +1,142 @@
+"""Checkpoints on a real S3 server (SeaweedFS, the ``s3`` fixture) from 2 ranks: a run saves there with Lightning's
+``ModelCheckpoint(dirpath="s3://...")``, the bucket holds exactly the committed checkpoints (listed through the
+server; nothing under the working directory), and ``fit(ckpt_path="last")`` resumes from there to the same weights,
+optimizer state and schedule as a run that never stopped, bitwise. A rank SIGKILLed in the middle of an upload leaves
+the previous checkpoint loadable and nothing partial visible, and the next save to the same name succeeds and clears
+what the killed one left. The matrix (format x engine x sync/async, Fabric) is ``slow``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SCENARIOS
+from distributed.test_resume import STEPS_PER_EPOCH, _assert_same_run, _module, uninterrupted  # noqa: F401 - the fixture
+from helpers import BLOCK
+from lightning_gaudi_fsdp.checkpoint.commit import RECORD_KEY
+
+
+def _committed(s3, folder: str) -> dict[str, str]:
+    """The visible checkpoints under ``folder`` (name -> the generation its commit record names), after checking that
+    every object there belongs to one of them: no partial or leftover generation."""
+    client = s3.client()
+    keys = s3.keys(folder)
+    records = {}
+    for key in keys:
+        if "/" not in key and not key.startswith("."):
+            record = json.loads(client.cat_file(f"{folder}/{key}".removeprefix("s3://")))
+            assert record[RECORD_KEY] == 1, key
+            records[key] = record["data"]
+    owned = set(records) | set(records.values())
+    assert [k for k in keys if k.split("/")[0] not in owned] == [], keys
+    return records
+
+
+def _nothing_in_the_working_directory(out) -> None:
+    assert [p for p in SCENARIOS.rglob("s3:*")] == []  # the ranks' working directory: no URL became a folder
+    assert [p for p in out.rglob("*") if p.name.endswith((":", ".ckpt"))] == []
+
+
+def test_model_checkpoint_on_s3_then_ckpt_path_last_equals_an_uninterrupted_run(s3, scenario, uninterrupted):  # noqa: F811
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    k = STEPS_PER_EPOCH
+    folder = s3.url("trainer")
+    callback = {
+        "dirpath": folder,
+        "save_last": True,
+        "save_top_k": 2,
+        "monitor": "train_loss",
+        "every_n_train_steps": 2,
+    }
+    straight = uninterrupted(strategy, _module())
+    first = scenario({"strategy": strategy, "module": _module(), "max_steps": k, "model_checkpoint": callback})
+    committed = _committed(s3, folder)
+    assert sorted(committed)[-1] == "last.ckpt"
+    assert len(committed) == 3, committed  # last.ckpt and the top 2; the replaced ones deleted whole
+    assert all(data.startswith(f".{name}.gen-") for name, data in committed.items())
+    _nothing_in_the_working_directory(first.out)
+    resumed = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "ckpt_path": "last",
+            "model_checkpoint": callback,
+        }
+    )
+    _assert_same_run(resumed.final(), straight)
+    _nothing_in_the_working_directory(resumed.out)
+
+
+def test_a_rank_killed_mid_upload_leaves_the_previous_checkpoint_and_the_next_save_succeeds(
+    s3,
+    scenario,
+    uninterrupted,  # noqa: F811
+):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "local"}
+    k = STEPS_PER_EPOCH
+    folder = s3.url("killed")
+    # at epoch boundaries (a resume from one is exact), each save replacing ckpt.ckpt (Lightning's ModelCheckpoint
+    # without a monitor overwrites its one name); rank 1 uploads one object per save (its shard): the second, at
+    # step 8, is cut off halfway
+    callback = {"dirpath": folder, "filename": "ckpt", "save_top_k": -1, "every_n_train_steps": k}
+    killed = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "model_checkpoint": callback,
+            "kill_mid_upload": {"rank": 1, "nth": 2},
+        },
+        timeout=240,
+        expect_ok=False,
+    )
+    assert killed.proc.returncode != 0
+    assert (killed.out / "killed.json").exists()
+    keys = s3.keys(folder)
+    visible = sorted(k for k in keys if "/" not in k and not k.startswith("."))
+    assert visible == ["ckpt.ckpt"], keys
+    before = json.loads(s3.client().cat_file(f"{folder}/ckpt.ckpt".removeprefix("s3://")))["data"]
+    generations = {k.split("/")[0] for k in keys if k.startswith(".ckpt.ckpt.gen-")}
+    assert len(generations - {before}) == 1, keys  # what the cut-off save had uploaded, never committed
+    # it loads (the killed save's generation is ignored), and the run goes on from it: its saves succeed, and the
+    # next save under the name the killed one was writing clears what that one left
+    resumed = scenario(
+        {
+            "strategy": strategy,
+            "module": _module(),
+            "max_steps": 2 * k,
+            "model_checkpoint": callback,
+            "ckpt_path": f"{folder}/ckpt.ckpt",
+        }
+    )
+    _assert_same_run(resumed.final(), uninterrupted(strategy, _module()))
+    committed = _committed(s3, folder)  # every object belongs to a committed checkpoint: no leftover generation
+    assert list(committed) == ["ckpt.ckpt"], committed
+    assert committed["ckpt.ckpt"] not in generations  # the resumed run's step-8 save replaced it
+    _nothing_in_the_working_directory(resumed.out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("engine", [1, 2])
+@pytest.mark.parametrize("fmt", ["full", "sharded", "local"])
+def test_trainer_save_checkpoint_to_s3_and_resume_from_it_in_every_format(
+    s3,
+    scenario,
+    uninterrupted,  # noqa: F811
+    fmt,
+    engine,
+    async_save,
+):
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": fmt, "fsdp_version": engine, "async_save": async_save}
+    k = STEPS_PER_EPOCH
+    url = f"{s3.url(f'{fmt}-{engine}')}/x.ckpt"
+    first = scenario(
+        {"strategy": strategy, "module": _module(), "max_steps": k, "save_at_step": k, "save_path_in_loop": url}
+    )
+    assert sorted(_committed(s3, url.rsplit("/", 1)[0])) == ["x.ckpt"]
+    _nothing_in_the_working_directory(first.out)
+    resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": url})
+    _assert_same_run(resumed.final(), uninterrupted(strategy, _module()))
