@@ -140,3 +140,24 @@ def test_trainer_save_checkpoint_to_s3_and_resume_from_it_in_every_format(
     _nothing_in_the_working_directory(first.out)
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": url})
     _assert_same_run(resumed.final(), uninterrupted(strategy, _module()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("engine", "fmt", "background"), [(1, "sharded", False), (2, "full", True), (2, "local", False)]
+)
+def test_fabric_save_to_s3_and_load_from_it_equals_the_uninterrupted_run(s3, scenario, engine, fmt, background):
+    from distributed.test_fabric import FABRIC, _strategy
+    from distributed.test_resume import _assert_equal_nested
+
+    folder = s3.url("fabric")
+    strategy = {**_strategy(engine, fmt), "async_save": background}
+    common = {"strategy": strategy, "clip_norm": 0.1, "epochs": 2}
+    straight = scenario({**common, "save": f"{folder}/ckpt", "save_after_epoch": 1}, script=FABRIC)
+    assert list(_committed(s3, folder)) == ["ckpt"]
+    _nothing_in_the_working_directory(straight.out)
+    resumed = scenario({**common, "load": f"{folder}/ckpt", "raw_checks": False}, script=FABRIC)
+    a, b = straight.final(), resumed.final()
+    _assert_equal_nested(b["weights"], a["weights"], "weights")
+    _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
+    assert b["scheduler"] == a["scheduler"]
