@@ -138,6 +138,11 @@ def test_inspect_and_convert_take_s3_urls(s3, tmp_path, cwd):
         assert main(["inspect", f"{folder}/y"]) == 0
     assert main(["convert", f"{folder}/y", str(tmp_path / "back.ckpt"), "--to", "full"]) == 0
     assert torch.equal(read_full_model_state(tmp_path / "back.ckpt")["w"], torch.arange(6.0) + 3)
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    assert main(["convert", f"{folder}/y", str(tmp_path / "hf"), "--to", "hf"]) == 0  # export_hf from S3
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], torch.arange(6.0) + 3)
     assert list(cwd.iterdir()) == []
 
 

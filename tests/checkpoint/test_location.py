@@ -122,7 +122,7 @@ def test_local_path_takes_paths_and_file_urls_and_refuses_every_other_url(tmp_pa
         (["inspect", CHAIN], refused("path", CHAIN)),
         (["convert", UNKNOWN, "out.ckpt", "--to", "sharded"], unknown("src", UNKNOWN)),
         (["convert", "good.ckpt", f"{MEMORY}/y.ckpt", "--to", "full"], in_process("dst", f"{MEMORY}/y.ckpt")),
-        (["convert", URL, "hf-out", "--to", "hf"], refused("src", URL)),  # export_hf takes no URL yet
+        (["convert", UNKNOWN, "hf-out", "--to", "hf"], unknown("src", UNKNOWN)),
         (["convert", "good.ckpt", "gs://models/hf", "--to", "hf"], refused("dst", "gs://models/hf")),
         (
             ["convert", "good.ckpt", "hf-out", "--to", "hf", "--hf-config", "hf://org/m"],
