@@ -67,6 +67,8 @@ def test_model_checkpoint_on_s3_then_ckpt_path_last_equals_an_uninterrupted_run(
         }
     )
     _assert_same_run(resumed.final(), straight)
+    # read by the fast sharded load (each rank's pieces straight from the shard objects), through the seam
+    assert json.loads((resumed.out / "sharded_loads0.json").read_text()) == {"fast": 1, "torch": 0}
     _nothing_in_the_working_directory(resumed.out)
 
 
@@ -171,3 +173,21 @@ def test_fabric_save_to_s3_and_load_from_it_equals_the_uninterrupted_run(s3, sce
     _assert_equal_nested(b["weights"], a["weights"], "weights")
     _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
     assert b["scheduler"] == a["scheduler"]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_on_s3_reshards_from_two_ranks_to_one(s3, scenario, tmp_path):
+    """Saved by 2 ranks to S3, resumed by 1 from there: the run goes on exactly as from the same state converted
+    (from S3) into a local full checkpoint."""
+    from lightning_gaudi_fsdp.checkpoint.convert import convert
+
+    strategy = {"auto_wrap_policy": [BLOCK], "state_dict_type": "sharded"}
+    url, full = f"{s3.url('reshard')}/sharded", tmp_path / "full"
+    scenario({"strategy": strategy, "module": _module(), "max_steps": 4, "save_path": url})
+    assert convert(url, full, "full") == []
+    one = {"devices": 1, "strategy": strategy, "module": _module(), "max_steps": 8}
+    from_s3 = scenario({**one, "ckpt_path": url})
+    from_full = scenario({**one, "ckpt_path": str(full)})
+    assert json.loads((from_s3.out / "sharded_loads0.json").read_text()) == {"fast": 1, "torch": 0}
+    _assert_same_run(from_s3.final(), from_full.final())
+    assert from_s3.final()["step"] == 8
