@@ -14,8 +14,10 @@ The API (small and stable; other modules, such as checksums, wrap it rather than
 - :func:`open_read` / :func:`open_write`: binary file objects (local: the builtin ``open``, today's code path);
   :func:`exists`, :func:`is_file`, :func:`is_dir`, :func:`listdir` (names), :func:`size`, :func:`remove` (a file or a
   whole tree, nothing if absent), :func:`is_remote`.
-- :func:`dcp_writer` / :func:`dcp_reader_on`: torch's distributed-checkpoint storage for a :class:`Remote` (torch's
-  fsspec writer and reader, through :mod:`.adapters.torch_internals`); local folders keep torch's file-system ones.
+- :func:`dcp_writer` / :func:`dcp_reader_on`: torch's distributed-checkpoint writer and reader (its file-system ones
+  for a ``Path``, its fsspec ones for a :class:`Remote`, through :mod:`.adapters.torch_internals`), whose every file is
+  opened by :func:`dcp_stream`, that is by :func:`open_read` / :func:`open_write`. So wrapping those two functions
+  (checksums, say) covers every file of every format, DCP's included.
 
 Speed-critical local paths stay as they were: the streamed full save (``pwrite`` into one local file) and the fast
 sharded load (direct reads) check :func:`is_remote` and take their local route for a ``Path``. Credentials and the
@@ -247,18 +249,29 @@ def remove(where: Where) -> None:
         where.unlink()
 
 
-def dcp_writer(where: Remote) -> Any:
-    """torch's distributed-checkpoint writer into the folder at ``where``."""
+def dcp_stream(path: str | os.PathLike[str], mode: str) -> IO[bytes]:
+    """A file of a distributed checkpoint, opened for torch's DCP reader or writer (``path``: the local path or URL
+    it names, ``mode`` ``"rb"`` or ``"wb"``): through :func:`open_read` / :func:`open_write` like every other file."""
+    where = path if isinstance(path, Path) else locate(path, "path")
+    return open_write(where) if "w" in mode else open_read(where)
+
+
+def dcp_writer(where: Where) -> Any:
+    """torch's distributed-checkpoint writer into the folder at ``where``; every file it writes goes through
+    :func:`dcp_stream`."""
     from lightning_gaudi_fsdp.adapters import torch_internals
 
-    return torch_internals.fsspec_dcp_writer(where.url)
+    return torch_internals.dcp_writer(str(where), isinstance(where, Remote), dcp_stream)
 
 
-def dcp_reader_on(reader: Any, where: Remote) -> Any:
-    """Point ``reader`` (a ``FileSystemReader``, or a subclass) at the folder at ``where`` through fsspec."""
+def dcp_reader_on(reader: Any, where: Where) -> Any:
+    """Have ``reader`` (torch's ``FileSystemReader``, or a subclass, made for ``where``) read every file through
+    :func:`dcp_stream`; at a URL, through fsspec."""
     from lightning_gaudi_fsdp.adapters import torch_internals
 
-    return torch_internals.read_through_fsspec(reader, where.url)
+    if isinstance(where, Remote):
+        torch_internals.read_through_fsspec(reader, where.url)
+    return torch_internals.route_dcp_streams(reader, dcp_stream)
 
 
 def probe(where: Remote, argument: str, call: str = "") -> None:

@@ -243,7 +243,7 @@ def save_sharded(
     other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(checkpoint, model_state, optimizer_states)
-    writer = files.dcp_writer(staging) if isinstance(staging, Remote) else None
+    writer = files.dcp_writer(staging)  # every file through the storage seam
     _compat.dcp_save(state, str(staging), no_dist=no_dist, process_group=process_group, storage_writer=writer)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
