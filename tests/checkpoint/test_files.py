@@ -201,3 +201,19 @@ def _fresh_clients() -> None:
 
     files._file_system.cache_clear()
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_lightnings_client_sees_a_url_checkpoint_once_committed(s3):
+    """``ModelCheckpoint.file_exists`` asks fsspec's default client of the protocol, which caches folder listings: a
+    listing made before the save (``ModelCheckpoint`` lists its folder at setup) must not hide the committed
+    checkpoint from it, nor show a removed one."""
+    import fsspec
+
+    folder = s3.url("listing")
+    client = fsspec.filesystem("s3")  # the client Lightning's get_filesystem(dirpath) returns
+    client.pipe_file(f"{folder}/other.bin".removeprefix("s3://"), b"x")
+    assert len(client.ls(folder.removeprefix("s3://"))) == 1  # a listing it now keeps
+    _save(f"{folder}/x.ckpt", 1)
+    assert client.exists(f"{folder}/x.ckpt")
+    commit.remove_checkpoint(files.locate(f"{folder}/x.ckpt", "path"))
+    assert not client.exists(f"{folder}/x.ckpt")
