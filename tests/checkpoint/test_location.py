@@ -35,10 +35,18 @@ ADVICE = (
 )
 
 
-def refused(argument: str, value: str, call: str = "") -> str:
-    """The message of :func:`local_path` (and of :func:`.files.locate` for a chain)."""
+LOCAL_ONLY = (
+    "this argument takes a local path (or a file:// URL) only, not a URL yet, and nothing was read or written. Pass a "
+    "local path, or the path where the bucket is mounted as a file system; see docs/checkpoints.md, "
+    '"Where checkpoints go"'
+)
+
+
+def refused(argument: str, value: str, call: str = "", advice: str = ADVICE) -> str:
+    """The message of :func:`local_path` (and of :func:`.files.locate` for a chain); ``advice``: ``LOCAL_ONLY`` for
+    an argument that takes no URL yet."""
     scheme = re.match(r"[^:/]+(://|::)", value).group(0)  # type: ignore[union-attr]
-    return f"{call}: " * bool(call) + f"{argument}={value!r} is a URL ({scheme!r}): {ADVICE}"
+    return f"{call}: " * bool(call) + f"{argument}={value!r} is a URL ({scheme!r}): {advice}"
 
 
 def unknown(argument: str, value: str, call: str = "") -> str:
@@ -123,10 +131,10 @@ def test_local_path_takes_paths_and_file_urls_and_refuses_every_other_url(tmp_pa
         (["convert", UNKNOWN, "out.ckpt", "--to", "sharded"], unknown("src", UNKNOWN)),
         (["convert", "good.ckpt", f"{MEMORY}/y.ckpt", "--to", "full"], in_process("dst", f"{MEMORY}/y.ckpt")),
         (["convert", UNKNOWN, "hf-out", "--to", "hf"], unknown("src", UNKNOWN)),
-        (["convert", "good.ckpt", "gs://models/hf", "--to", "hf"], refused("dst", "gs://models/hf")),
+        (["convert", "good.ckpt", "gs://models/hf", "--to", "hf"], refused("dst", "gs://models/hf", advice=LOCAL_ONLY)),
         (
             ["convert", "good.ckpt", "hf-out", "--to", "hf", "--hf-config", "hf://org/m"],
-            refused("hf_config", "hf://org/m"),
+            refused("hf_config", "hf://org/m", advice=LOCAL_ONLY),
         ),
     ],
 )
@@ -146,7 +154,7 @@ def test_inspect_and_convert_refuse_what_they_cannot_honour_in_one_line_with_exi
 def test_pretrained_weights_url_is_refused_at_construction(misdirected, door, url):
     with pytest.raises(CheckpointURLError) as caught:
         door(pretrained_weights=url)
-    assert str(caught.value) == refused("pretrained_weights", url, "GaudiFSDPStrategy")
+    assert str(caught.value) == refused("pretrained_weights", url, "GaudiFSDPStrategy", LOCAL_ONLY)
 
 
 @pytest.mark.parametrize(

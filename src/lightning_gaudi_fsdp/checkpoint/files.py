@@ -19,8 +19,9 @@ The API (small and stable; other modules, such as checksums, wrap it rather than
   opened by :func:`dcp_stream`, that is by :func:`open_read` / :func:`open_write`. So wrapping those two functions
   (checksums, say) covers every file of every format, DCP's included.
 
-Speed-critical local paths stay as they were: the streamed full save (``pwrite`` into one local file) and the fast
-sharded load (direct reads) check :func:`is_remote` and take their local route for a ``Path``. Credentials and the
+Speed-critical local paths stay as they were: for a ``Path`` the streamed full save keeps its in-place ``pwrite``
+route (it checks :func:`is_remote`), and the fast sharded load and every other reader open the file with the builtin
+``open`` as before (memory-mapped loads stay memory-mapped). Credentials and the
 endpoint come the standard way (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, profiles: s3fs reads them). s3fs is
 imported only when an ``s3://`` URL is used; without it the error names ``pip install lightning-gaudi-fsdp[s3]``.
 """
@@ -195,8 +196,8 @@ def open_read(where: Where, buffering: int = -1) -> IO[bytes]:
 
 
 def open_write(where: Where) -> IO[bytes]:
-    """A new binary file at ``where`` (replaced if present); on a URL it is visible once closed (S3: a multipart
-    upload, several parts in flight, completed on close)."""
+    """A new binary file at ``where`` (replaced if present); on a URL it is visible once closed (S3: s3fs's multipart
+    upload, one part of its block size at a time, completed on close)."""
     if isinstance(where, Remote):
         return where.fs.open(where.key, "wb")
     return open(where, "wb")  # noqa: SIM115 - the caller closes it

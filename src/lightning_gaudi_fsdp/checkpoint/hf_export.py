@@ -249,8 +249,8 @@ def export_hf(
             "exporting to Hugging Face safetensors needs the safetensors package: pip install safetensors "
             "(or the package's examples extra)"
         ) from err
-    src, dst = locate(src, "src"), location.local_path(dst, "dst")  # the source may be at a URL
-    config_dir = location.local_path(hf_config, "hf_config") if hf_config is not None else None
+    src, dst = locate(src, "src"), location.local_path(dst, "dst", urls=False)  # the source may be at a URL
+    config_dir = location.local_path(hf_config, "hf_config", urls=False) if hf_config is not None else None
     target_dtype = resolve_dtype(dtype)
     max_bytes = resolve_shard_size(max_shard_size)
     if peft not in (None, "adapter", "merged"):

@@ -27,6 +27,13 @@ ADVICE = (
 )
 
 
+LOCAL_ONLY_ADVICE = (
+    "this argument takes a local path (or a file:// URL) only, not a URL yet, and nothing was read or written. Pass a "
+    "local path, or the path where the bucket is mounted as a file system; see docs/checkpoints.md, "
+    '"Where checkpoints go"'
+)
+
+
 class CheckpointURLError(ValueError):
     """A checkpoint location that cannot be honoured: a URL where this argument takes none, a URL no installed fsspec
     file system opens (a chain such as ``simplecache::s3://``, an unknown protocol), or a flattened URL."""
@@ -61,23 +68,25 @@ def _flattened(path: str) -> str | None:
     return next((part for part in PurePath(path).parts if part.endswith(":") and part[:-1] in protocols), None)
 
 
-def local_path(location: str | os.PathLike[str], argument: str, call: str = "") -> Path:
+def local_path(location: str | os.PathLike[str], argument: str, call: str = "", urls: bool = True) -> Path:
     """``location`` as a local path: a plain path as given, a ``file://`` URL as the path it names. Raises
     :class:`CheckpointURLError` for any other URL, or a path holding a flattened one, naming ``call``
-    (``"fabric.save"``; none for a function's own argument), ``argument`` and the value as given."""
+    (``"fabric.save"``; none for a function's own argument), ``argument`` and the value as given. ``urls``: whether
+    the argument takes URLs elsewhere (:func:`.files.locate`), which the advice says."""
     shown = f"{call}: " if call else ""
+    advice = ADVICE if urls else LOCAL_ONLY_ADVICE
     protocol = url_protocol(location)
     text = os.fspath(location)
     if protocol in LOCAL and text.startswith(f"{protocol}://"):
         text = text[len(protocol) + 3 :]
     elif protocol is not None:
         scheme = f"{protocol}://" if text.startswith(f"{protocol}://") else f"{protocol}::"
-        raise CheckpointURLError(f"{shown}{argument}={text!r} is a URL ({scheme!r}): {ADVICE}")
+        raise CheckpointURLError(f"{shown}{argument}={text!r} is a URL ({scheme!r}): {advice}")
     folder = _flattened(text)
     if folder is not None:
         raise CheckpointURLError(
             f"{shown}{argument}={text!r} has a folder named {folder!r}: a {folder[:-1] + '://'!r} URL flattened into a "
             "local path (pathlib.Path('s3://b/x') is 's3:/b/x'; Lightning's ModelCheckpoint turns dirpath='file:///x' "
-            f"into a folder 'file:' under the working directory): {ADVICE}"
+            f"into a folder 'file:' under the working directory): {advice}"
         )
     return Path(text)

@@ -66,7 +66,7 @@ def resolve(pretrained_weights: str | os.PathLike[str] | None, pretrained_prefix
         return None
     if not isinstance(pretrained_weights, str | os.PathLike):
         raise TypeError(f"pretrained_weights={pretrained_weights!r} must be a path; expected {_ACCEPTED}")
-    path = location.local_path(pretrained_weights, "pretrained_weights", "GaudiFSDPStrategy").expanduser()
+    path = location.local_path(pretrained_weights, "pretrained_weights", "GaudiFSDPStrategy", urls=False).expanduser()
     shown = f"pretrained_weights={str(pretrained_weights)!r}"
     if not path.exists():
         raise PretrainedWeightsError(f"{shown} does not exist; expected {_ACCEPTED}")
