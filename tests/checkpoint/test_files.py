@@ -217,3 +217,23 @@ def test_lightnings_client_sees_a_url_checkpoint_once_committed(s3):
     assert client.exists(f"{folder}/x.ckpt")
     commit.remove_checkpoint(files.locate(f"{folder}/x.ckpt", "path"))
     assert not client.exists(f"{folder}/x.ckpt")
+
+
+def test_pretrained_safetensors_at_a_url_read_the_same_rows_as_the_local_files(s3, tmp_path):
+    """A Hugging Face directory on S3 (several files and an index): every key's shape, dtype and any rows read
+    through byte ranges equal what ``safe_open`` reads from the same local files."""
+    pytest.importorskip("transformers")
+    from conftest import save_tiny_llama
+    from lightning_gaudi_fsdp.checkpoint.pretrained_source import Source, resolve
+
+    local = save_tiny_llama(tmp_path / "llama")
+    url = s3.url("llama")
+    s3.client().put(str(local), url.removeprefix("s3://"), recursive=True)
+    here, there = Source(resolve(local)), Source(resolve(url))
+    assert resolve(url).files
+    assert all(files.is_remote(f) for f in resolve(url).files)
+    assert there.meta == here.meta
+    for key, (shape, _) in here.meta.items():
+        rows = shape[0] if shape else 1
+        for start, stop in ((0, rows), (rows // 3, rows // 2 + 1)):
+            assert torch.equal(there.rows(key, start, stop), here.rows(key, start, stop)), (key, start, stop)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import SCENARIOS
 from distributed.test_resume import STEPS_PER_EPOCH, _assert_same_run, _module, uninterrupted  # noqa: F401 - the fixture
@@ -191,3 +192,23 @@ def test_a_sharded_checkpoint_on_s3_reshards_from_two_ranks_to_one(s3, scenario,
     assert json.loads((from_s3.out / "sharded_loads0.json").read_text()) == {"fast": 1, "torch": 0}
     _assert_same_run(from_s3.final(), from_full.final())
     assert from_s3.final()["step"] == 8
+
+
+@pytest.mark.slow
+def test_pretrained_weights_from_an_s3_directory_fill_each_ranks_shards_bitwise(s3, scenario, tmp_path):
+    """A Hugging Face directory on S3 (several files, an index) as ``pretrained_weights`` on 2 ranks: what the shards
+    hold is the files' tensors bitwise, and each rank holds about half (it read its own rows, through byte ranges)."""
+    pytest.importorskip("transformers")
+    from conftest import save_tiny_llama
+    from distributed.test_pretrained import file_tensors, held_fraction
+
+    local = save_tiny_llama(tmp_path / "llama")
+    url = s3.url("llama")
+    s3.client().put(str(local), url.removeprefix("s3://"), recursive=True)
+    cfg = {"weights": url, "config": str(local), "engine": 2, "door": "fabric", "steps": 1, "reference": False}
+    run = scenario(cfg, script="pretrained.py")
+    loaded, expected = run.final()["loaded"], file_tensors(local)
+    assert loaded.keys() == expected.keys()
+    assert [k for k, v in expected.items() if not torch.equal(loaded[k], v)] == []
+    assert all(0.3 < f < 0.7 for f in held_fraction(run))
+    _nothing_in_the_working_directory(run.out)

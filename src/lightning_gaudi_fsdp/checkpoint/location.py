@@ -2,7 +2,8 @@
 
 Every place a user hands the package a checkpoint location turns it into a :data:`.files.Where` with
 :func:`.files.locate`, which takes ``protocol://...`` URLs an fsspec file system opens, and gives the rest to
-:func:`local_path` (also used directly where a URL is not taken yet: ``pretrained_weights``, ``export_hf``). A
+:func:`local_path` (also used directly where a URL is not taken yet: ``export_hf``'s destination and
+``hf_config``). A
 ``file://`` (or fsspec's ``local://``) URL becomes the path it names. Any other URL is refused there with
 :class:`CheckpointURLError`, before anything is read or written: ``pathlib.Path("s3://ckpt/x.ckpt")`` is the relative
 path ``s3:/ckpt/x.ckpt``, and a save there would write a folder named ``s3:`` under the working directory and report
