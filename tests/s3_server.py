@@ -48,12 +48,14 @@ def _free_ports(n: int) -> list[int]:
 
 
 class S3Server:
-    """A running ``weed mini``: its ``endpoint``, the ``env`` a client needs (``AWS_*``), ``url(...)`` for a new
-    prefix in the bucket and ``keys(url)`` listing what the server holds under one."""
+    """A ``weed mini`` (``start``/``stop``; started again, it serves the same ports and data): its ``endpoint``, the
+    ``env`` a client needs (``AWS_*``), ``url(...)`` for a new prefix in the bucket and ``keys(url)`` listing what the
+    server holds under one."""
 
-    def __init__(self, root: Path, proc: subprocess.Popen[bytes], endpoint: str) -> None:
+    def __init__(self, root: Path, args: list[str], endpoint: str) -> None:
         self.root = root
-        self.proc = proc
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = endpoint
         self.env = {
             "AWS_ENDPOINT_URL": endpoint,
@@ -61,6 +63,24 @@ class S3Server:
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
             "AWS_DEFAULT_REGION": "us-east-1",
         }
+
+    def start(self, timeout: float = 60.0) -> None:
+        with open(self.root / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        if not _ready(self.client(), time.monotonic() + timeout) or self.proc.poll() is not None:
+            tail = (self.root / "weed.log").read_text(errors="replace")[-3000:]
+            self.stop()
+            raise RuntimeError(f"weed mini did not serve S3 at {self.endpoint} within {timeout} s:\n{tail}")
+
+    def stop(self) -> None:
+        """Kill the server (its process group), as a crash would."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
 
     def client(self) -> Any:
         """An s3fs client of its own (no instance or listing cache): it sees what the server holds now."""
@@ -90,9 +110,9 @@ class S3Server:
 def _ready(client: Any, deadline: float) -> bool:
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            client.mkdir(BUCKET)
-            if client.exists(BUCKET):
+            if client.exists(BUCKET):  # a server started again on the same data
                 return True
+            client.mkdir(BUCKET)
         time.sleep(0.3)
     return False
 
@@ -116,15 +136,9 @@ def running(root: Path, start_timeout: float = 60.0) -> Iterator[S3Server]:
     args += [f"-{name}.port={port}" for name, port in ports.items()]
     args += [f"-{name}.port.grpc={port}" for name, port in zip(_PORTS, grpc, strict=True)]
     args += ["-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
-    with open(root / "weed.log", "wb") as log:
-        proc = subprocess.Popen(args, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(root, proc, f"http://127.0.0.1:{ports['s3']}")
+    server = S3Server(root, args, f"http://127.0.0.1:{ports['s3']}")
+    server.start(start_timeout)
     try:
-        if not _ready(server.client(), time.monotonic() + start_timeout) or proc.poll() is not None:
-            tail = (root / "weed.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"weed mini did not serve S3 at {server.endpoint} within {start_timeout} s:\n{tail}")
         yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        server.stop()

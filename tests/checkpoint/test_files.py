@@ -237,3 +237,45 @@ def test_pretrained_safetensors_at_a_url_read_the_same_rows_as_the_local_files(s
         rows = shape[0] if shape else 1
         for start, stop in ((0, rows), (rows // 3, rows // 2 + 1)):
             assert torch.equal(there.rows(key, start, stop), here.rows(key, start, stop)), (key, start, stop)
+
+
+@pytest.mark.slow  # about 50 s: the clients' retries, and a second server
+def test_the_server_stopping_mid_save_fails_it_naming_the_url_and_after_a_restart_the_next_save_succeeds(
+    s3, tmp_path, monkeypatch
+):
+    """A server of its own, killed while a save uploads: the save raises :class:`CheckpointSaveError` naming the URL
+    within a bounded time (s3fs's and botocore's own retries), the previous checkpoint is there once the server is
+    back, and the next save succeeds and clears what the failed one left."""
+    import time
+
+    from s3_server import running
+
+    with running(tmp_path / "own") as server:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        _fresh_clients()
+        try:
+            url = f"{server.url('stopped')}/x.ckpt"
+            _save(url, 1)
+            staging = commit.staging_path(files.locate(url, "path"), "cut")
+
+            def cut_off() -> None:
+                with files.open_write(staging) as handle:
+                    handle.write(b"\x80" * 1000)
+                    server.stop()  # the rest goes nowhere: the upload fails when the file is closed
+                    handle.write(b"\x80" * 1000)
+
+            started = time.monotonic()
+            with pytest.raises(storage.CheckpointSaveError) as caught:
+                storage.write_atomically(url, [cut_off], directory=False, needed=lambda: 0, staging=staging)
+            took = time.monotonic() - started
+            assert str(caught.value).startswith(f"Cannot save checkpoint '{url}': failed while writing: ")
+            assert f"check that '{url}' is reachable and writable" in str(caught.value)
+            assert took < 120, took
+            server.start()
+            assert torch.equal(read_full_model_state(url)["w"], torch.arange(6.0) + 1)
+            _save(url, 2)
+            assert torch.equal(read_full_model_state(url)["w"], torch.arange(6.0) + 2)
+            assert len(server.keys(url.rsplit("/", 1)[0])) == 2  # the record and its generation: nothing left over
+        finally:
+            monkeypatch.undo()
+            _fresh_clients()
