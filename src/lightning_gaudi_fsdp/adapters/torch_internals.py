@@ -9,6 +9,7 @@ Each function names the fact it gives; ``tests/test_adapters.py`` checks every p
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 from collections.abc import Callable, Sequence
@@ -122,12 +123,13 @@ def dcp_load_no_dist(state: dict[str, Any], reader: Any, planner: Any) -> None:
     _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
-def dcp_save_no_dist(state: dict[str, Any], path: str) -> None:
+def dcp_save_no_dist(state: dict[str, Any], path: str, storage_writer: Any = None) -> None:
     """torch 2.6's ``dcp.save`` has no ``no_dist``; its private entry point, which ``save`` itself calls, has."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(path)
+    _save_state_dict(state, storage_writer=writer, no_dist=True)
 
 
 def empty_load_planner(keys: set[str] | None = None) -> Any:
@@ -275,3 +277,50 @@ def is_checkpoint_wrapper(module: Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     return isinstance(module, CheckpointWrapper)
+
+
+def dcp_writer(path: str, url: bool, open_stream: Callable[[Any, str], Any]) -> Any:
+    """torch's distributed-checkpoint writer into the folder at ``path``: ``FileSystemWriter``, or for an fsspec
+    ``url`` ``FsspecWriter`` (from the private ``_fsspec_filesystem`` on every supported torch), without fsync (an
+    object store has none, and torch's fallback for a stream without a file descriptor is ``os.sync()`` of the whole
+    host). Every file it writes is opened by ``open_stream(path, mode)`` (see :func:`route_dcp_streams`)."""
+    import torch.distributed.checkpoint as dcp
+
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return route_dcp_streams(FsspecWriter(path, sync_files=False), open_stream)
+    return route_dcp_streams(dcp.FileSystemWriter(path), open_stream)
+
+
+def read_through_fsspec(reader: Any, url: str) -> Any:
+    """Point a ``FileSystemReader`` (or subclass) at the folder at an fsspec ``url``: what torch's ``FsspecReader``
+    does in its constructor (its ``FileSystem`` is in the private ``_fsspec_filesystem``)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    reader.fs = FileSystem()
+    reader.path = reader.fs.init_path(url)
+    return reader
+
+
+def route_dcp_streams(storage: Any, open_stream: Callable[[Any, str], Any]) -> Any:
+    """Have torch's DCP reader or writer ``storage`` open each of its files with ``open_stream(path, mode)`` (a
+    context manager giving a binary file): its file system's ``create_stream`` (torch's ``FileSystemBase`` shape,
+    the same on every supported torch) is replaced; the rest of the file system (folders, renames) is torch's."""
+    storage.fs.__class__ = _routed(type(storage.fs))
+    storage.fs._lgf_open_stream = open_stream
+    return storage
+
+
+@functools.cache
+def _routed(base: type) -> type:
+    import contextlib
+
+    class Routed(base):  # type: ignore[misc, valid-type]
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            with self._lgf_open_stream(path, mode) as stream:
+                yield stream
+
+    Routed.__name__ = Routed.__qualname__ = f"Routed{base.__name__}"
+    return Routed

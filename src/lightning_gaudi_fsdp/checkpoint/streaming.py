@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters import buffers, torch_internals
-from lightning_gaudi_fsdp.checkpoint import stream_in_place
+from lightning_gaudi_fsdp.checkpoint import files, stream_in_place
 from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 from lightning_gaudi_fsdp.checkpoint.stream_receiver import Hole, Receiver, Record
 
@@ -146,16 +146,18 @@ class FullStream:
         finally:
             os.close(fd)
 
-    def write(self, obj: Any, file: Path) -> None:
+    def write(self, obj: Any, file: Path | files.Remote) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
         Every planned piece is received before this returns or raises."""
         receiver = Receiver(self._records, self.group)
-        direct = not torch.serialization.get_crc32_options()
+        # at a URL: each tensor assembled on rank 0 and written through the upload (no in-place writes, no holes)
+        local = not files.is_remote(file)
+        direct = not torch.serialization.get_crc32_options() and local
         try:
             receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
-            with open(file, "wb") as handle:
-                receiver.connect(handle if direct else None, Path(file))
+            with files.open_write(file) as handle:
+                receiver.connect(handle if direct else None, Path(file) if local else None)
                 self.in_place = bool(receiver.writers)
                 self.senders = len(receiver.sources) - len(receiver.writers)
                 sink = _File(handle, receiver) if direct else handle
