@@ -125,6 +125,7 @@ def save_checkpoint(
         local_metadata=local_metadata,
         check_free_space=door._config.check_free_space,
         crc32=door._config.checkpoint_crc32,
+        checksums=door._config.verify_checkpoints,
     )
 
     def gather(obj: Any) -> list[Any]:
@@ -232,6 +233,7 @@ def load_agreed(
                 weights_only=weights_only,
                 raw=raw,
                 hints=hints,
+                verify=door._config.verify_checkpoints,
             ),
         )
         rest = loading.apply_load(

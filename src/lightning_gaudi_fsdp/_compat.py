@@ -76,22 +76,32 @@ def check_pairing(torch_version: str, lightning_version: str) -> tuple[bool, str
 
 
 def dcp_save(
-    state: dict[str, Any], checkpoint_id: str | os.PathLike[str], no_dist: bool = False, process_group: Any = None
+    state: dict[str, Any],
+    checkpoint_id: str | os.PathLike[str],
+    no_dist: bool = False,
+    process_group: Any = None,
+    storage_writer: Any = None,
 ) -> None:
     """``torch.distributed.checkpoint.save``; ``no_dist=True`` writes from one process without a process group
     (offline conversion), on every supported torch. ``process_group``: the group DCP coordinates over (default: the
-    default group)."""
+    default group). ``storage_writer``: DCP's writer (default: its file-system writer for ``checkpoint_id``)."""
     import torch.distributed.checkpoint as dcp
 
     if TORCH_GREATER_EQUAL_2_7:
-        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist, process_group=process_group)
+        dcp.save(
+            state,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            no_dist=no_dist,
+            process_group=process_group,
+        )
         return
     if not no_dist:
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=process_group)
+        dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
         return
     from lightning_gaudi_fsdp.adapters import torch_internals  # torch 2.6: only its private entry point has no_dist
 
-    torch_internals.dcp_save_no_dist(state, os.fspath(checkpoint_id))
+    torch_internals.dcp_save_no_dist(state, os.fspath(checkpoint_id), storage_writer)
 
 
 def add_note(exception: BaseException, note: str) -> None:

@@ -122,12 +122,48 @@ def dcp_load_no_dist(state: dict[str, Any], reader: Any, planner: Any) -> None:
     _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
-def dcp_save_no_dist(state: dict[str, Any], path: str) -> None:
+def dcp_save_no_dist(state: dict[str, Any], path: str, storage_writer: Any = None) -> None:
     """torch 2.6's ``dcp.save`` has no ``no_dist``; its private entry point, which ``save`` itself calls, has."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    _save_state_dict(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(path)
+    _save_state_dict(state, storage_writer=writer, no_dist=True)
+
+
+def dcp_writer_through(path: str, wrap: Callable[[Any, str], Any], renamed: Callable[[str, str], None]) -> Any:
+    """DCP's ``FileSystemWriter(path)`` whose files, opened for writing, pass through ``wrap(stream, file)`` (a file
+    object with an optional ``finish()`` called once the writer is done with it), and whose renames (its
+    ``.metadata.tmp`` put in place) are told to ``renamed(old, new)``. The writer's file system is its attribute
+    ``fs`` (a ``FileSystem`` with ``create_stream`` and ``rename``), on torch 2.6 to 2.13."""
+    import contextlib
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _Through(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, file: Any, mode: str) -> Any:
+            with super().create_stream(file, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                handle = wrap(stream, os.fspath(file))
+                yield handle
+                finish = getattr(handle, "finish", None)
+                if finish is not None:
+                    finish()
+
+        def rename(self, file: Any, new: Any) -> None:
+            super().rename(file, new)
+            renamed(os.fspath(file), os.fspath(new))
+
+    writer = dcp.FileSystemWriter(path)
+    if not isinstance(getattr(writer, "fs", None), FileSystem):
+        raise RuntimeError("torch's FileSystemWriter keeps no FileSystem in .fs: its files cannot be checksummed")
+    writer.fs = _Through()
+    return writer
 
 
 def empty_load_planner(keys: set[str] | None = None) -> Any:

@@ -32,8 +32,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, location, space, storage
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, location, space, storage
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -117,6 +118,7 @@ def save(
     process_group: Any = None,
     stream: FullStream | None = None,
     crc32: bool = False,
+    checksums: bool = True,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
@@ -126,7 +128,8 @@ def save(
     the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`). ``stream``: the
     :class:`~.streaming.FullStream` the full ``checkpoint`` was built with; in the write step rank 0 receives and
     writes each tensor in turn while the other ranks send their pieces. ``crc32``: the zip archives carry a CRC32
-    of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them)."""
+    of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them). ``checksums``: every file
+    is hashed while written and the digests recorded in the checkpoint (see :mod:`.checksum`, :mod:`.integrity`)."""
     path = Path(path)
     directory = fmt != "full"
     staging = commit.staging_path(path)
@@ -136,10 +139,11 @@ def save(
         if path.is_dir() and not directory and detect_format_or_none(path) is None:
             raise IsADirectoryError(f"Refusing to replace directory {str(path)!r} (not a checkpoint) with a file")
 
+    expected = _size_hint(checkpoint) if fmt == "full" and rank == 0 and checksums else None
     if fmt == "full" and stream is not None and stream.pending:  # else torch's path gathered it
-        writes = [lambda: stream.write(checkpoint, staging) if rank == 0 else stream.send()]
+        writes = [lambda: stream.write(checkpoint, staging, expected) if rank == 0 else stream.send()]
     elif fmt == "full":
-        writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
+        writes = [lambda: save_file(checkpoint, staging, trailer=True, expected=expected) if rank == 0 else None]
     elif fmt == "sharded":
         writes = [lambda: save_sharded(checkpoint, staging, rank, world_size, process_group=process_group)]
     else:
@@ -150,7 +154,8 @@ def save(
             lambda: save_file(shard, staging / local_shard_name(rank)),
             lambda: _finish_local(rest, staging, world_size, meta) if rank == 0 else None,
         ]
-    with storage.zip_checksums(crc32):
+    recorder = checksum.Recorder(staging if directory else staging.parent) if checksums else None
+    with storage.zip_checksums(crc32), checksum.recording(recorder):
         return storage.write_atomically(
             path,
             writes,
@@ -160,6 +165,7 @@ def save(
             rank=rank,
             gather=gather,
             before=refuse_non_checkpoint_directory,
+            recorder=recorder if directory else None,
         )
 
 
@@ -180,11 +186,20 @@ def bytes_to_write(
     return own
 
 
-def save_file(obj: Any, file: Path) -> None:
+def _size_hint(checkpoint: dict[str, Any]) -> int | None:
+    """About the bytes of a full checkpoint, for the block its checksums are computed in; None if unknown."""
+    try:
+        return space.estimate_bytes(checkpoint)
+    except Exception:  # noqa: BLE001 - the free-space check reports an estimate that fails
+        return None
+
+
+def save_file(obj: Any, file: Path, *, trailer: bool = False, expected: int | None = None) -> None:
     """``torch.save`` through a Python file: a failed write then carries its errno (``ENOSPC``...) and the file is
     closed at once; with a path, torch's own writer reports only "unexpected pos" and keeps the file open, and its
-    space allocated, for as long as the exception lives."""
-    with open(file, "wb") as handle:
+    space allocated, for as long as the exception lives. While a save records checksums the file is hashed as it is
+    written; ``trailer``: the file is a checkpoint of its own and carries them (see :mod:`.checksum`)."""
+    with checksum.open_for_writing(file, trailer=trailer, expected=expected) as handle:
         torch.save(obj, handle)
 
 
@@ -229,7 +244,11 @@ def save_sharded(
     other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(checkpoint, model_state, optimizer_states)
-    _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group)
+    recorder = checksum.active()
+    writer = None
+    if recorder is not None:  # DCP may write from threads of its own: the recorder is handed over, not looked up
+        writer = torch_internals.dcp_writer_through(os.fspath(staging), recorder.wrap, recorder.rename)
+    _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group, storage_writer=writer)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         extras: dict[str, Any] = {

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit, location, space
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, location, space
 from lightning_gaudi_fsdp.checkpoint.space import Plan, human_bytes, needed_together, same_file_system
 
 log = logging.getLogger(__name__)
@@ -324,6 +324,7 @@ def write_atomically(
     rank: int = 0,
     gather: Gather = _alone,
     before: Callable[[], None] | None = None,
+    recorder: checksum.Recorder | None = None,
 ) -> Path:
     """Save to ``path`` through its staging location; every rank calls this with its own ``writes`` (run in order,
     the ranks agreeing after each) and ``needed``, which estimates the bytes those writes take. ``gather`` is an
@@ -333,11 +334,23 @@ def write_atomically(
     Raises :class:`CheckpointSaveError` on every rank if any rank's step failed, or before any write if free space
     is short (unless the check is off, see :func:`check_free_space_enabled`). Where ``needed`` raises, that rank logs
     the warning "the free-space check before saving PATH did not run: ..." and the file system it writes to is not
-    checked; the save goes on (and reports what it cannot write, if anything)."""
+    checked; the save goes on (and reports what it cannot write, if anything). ``recorder``: the checksums of what
+    this rank wrote into the staging directory; rank 0 writes every rank's into its manifest before the commit."""
     path = location.local_path(path, "path")  # every writer saves through here: never a URL taken for a local path
     attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
     attempt.prepare(before, needed, space.check_free_space_enabled(check_free_space))
     for write in writes:
         attempt.step("failed while writing", write)
-    attempt.step("failed while committing", lambda: commit.commit(attempt.staging, path) if rank == 0 else None)
+    digests: dict[str, checksum.Digest] = {}
+    if recorder is not None:
+        for files in attempt.step("failed while writing", lambda: dict(recorder.files)):
+            digests.update(files)
+
+    def finish() -> None:
+        if rank == 0:
+            if recorder is not None:
+                checksum.write_manifest(attempt.staging, digests)
+            commit.commit(attempt.staging, path)
+
+    attempt.step("failed while committing", finish)
     return path

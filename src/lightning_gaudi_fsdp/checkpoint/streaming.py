@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters import buffers, torch_internals
-from lightning_gaudi_fsdp.checkpoint import stream_in_place
+from lightning_gaudi_fsdp.checkpoint import checksum, stream_in_place
 from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 from lightning_gaudi_fsdp.checkpoint.stream_receiver import Hole, Receiver, Record
 
@@ -146,15 +146,17 @@ class FullStream:
         finally:
             os.close(fd)
 
-    def write(self, obj: Any, file: Path) -> None:
+    def write(self, obj: Any, file: Path, expected: int | None = None) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
-        Every planned piece is received before this returns or raises."""
+        Every planned piece is received before this returns or raises. While the save records checksums, every byte
+        goes through rank 0's file (no rank writes in place) and the file carries them (``expected``: about its
+        size; see :mod:`.checksum`)."""
         receiver = Receiver(self._records, self.group)
         direct = not torch.serialization.get_crc32_options()
         try:
             receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
-            with open(file, "wb") as handle:
+            with checksum.open_for_writing(file, trailer=True, expected=expected) as handle:
                 receiver.connect(handle if direct else None, Path(file))
                 self.in_place = bool(receiver.writers)
                 self.senders = len(receiver.sources) - len(receiver.writers)
