@@ -55,30 +55,51 @@ def block_size(expected_bytes: int | None) -> int:
 
 @dataclass(frozen=True)
 class Digest:
-    """What was written to one file: its ``size``, the ``block`` it was hashed in and the digest of each block."""
+    """What was written to one file: its ``size``, the digest of each block (``blocks``), the blocks being
+    ``block`` bytes long except where a writer cut one short at an entry's start (``cuts``: those offsets)."""
 
     size: int
     block: int
     blocks: bytes  # DIGEST_BYTES per block, in order
+    cuts: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "block": self.block, ALGORITHM: base64.b64encode(self.blocks).decode("ascii")}
+        data = {"size": self.size, "block": self.block, ALGORITHM: base64.b64encode(self.blocks).decode("ascii")}
+        if self.cuts:
+            data["cuts"] = list(self.cuts)
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> Digest:
-        return cls(int(data["size"]), int(data["block"]), base64.b64decode(data[ALGORITHM]))
+        cuts = tuple(int(c) for c in data.get("cuts", ()))
+        return cls(int(data["size"]), int(data["block"]), base64.b64decode(data[ALGORITHM]), cuts)
 
     def block_digest(self, index: int) -> bytes:
         return self.blocks[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
 
+    def ranges(self, size: int | None = None) -> list[tuple[int, int]]:
+        """Each block's (start, end) in a file of ``size`` bytes (default: as written); one empty block if none."""
+        size = self.size if size is None else size
+        found, start, cuts = [], 0, [c for c in self.cuts if 0 < c < size]
+        while start < size:
+            end = min(start + self.block, size)
+            while cuts and cuts[0] <= start:
+                cuts.pop(0)
+            if cuts and cuts[0] < end:
+                end = cuts.pop(0)
+            found.append((start, end))
+            start = end
+        return found or [(0, 0)]
+
 
 class BlockHasher:
-    """Hashes a stream of bytes in blocks of ``block`` bytes."""
+    """Hashes a stream of bytes in blocks of ``block`` bytes (or shorter, where :meth:`cut`)."""
 
     def __init__(self, block: int) -> None:
         self.block = block
         self.size = 0
         self._digests: list[bytes] = []
+        self._cuts: list[int] = []
         self._hasher = xxhash.xxh3_64()
         self._filled = 0
 
@@ -91,28 +112,22 @@ class BlockHasher:
             self.size += take
             view = view[take:]
             if self._filled == self.block:
-                self._digests.append(self._hasher.digest())
-                self._hasher.reset()
-                self._filled = 0
+                self._close_block()
+
+    def cut(self) -> None:
+        """End the current block here (an entry starts): damage is then placed within the entry."""
+        if self._filled:
+            self._close_block()
+            self._cuts.append(self.size)
+
+    def _close_block(self) -> None:
+        self._digests.append(self._hasher.digest())
+        self._hasher.reset()
+        self._filled = 0
 
     def digest(self) -> Digest:
         tail = [self._hasher.digest()] if self._filled or not self._digests else []
-        return Digest(self.size, self.block, b"".join(self._digests + tail))
-
-
-def digest_of(handle: BinaryIO, block: int, size: int, chunk: int = 8 << 20) -> Digest:
-    """The digest of the first ``size`` bytes read from ``handle`` (for verifying; fewer if the file ends)."""
-    hasher = BlockHasher(block)
-    buffer = bytearray(max(block, chunk) if block <= chunk else chunk)
-    view = memoryview(buffer)
-    left = size
-    while left > 0:
-        got = handle.readinto(view[: min(len(buffer), left)])  # type: ignore[attr-defined]
-        if not got:
-            break
-        hasher.update(view[:got])
-        left -= got
-    return hasher.digest()
+        return Digest(self.size, self.block, b"".join(self._digests + tail), tuple(self._cuts))
 
 
 class HashingFile:
@@ -120,10 +135,14 @@ class HashingFile:
 
     ``trailer``: the file is one ``torch.save`` archive; :meth:`close` appends the digests as its zip comment (the
     archive's last 22 bytes, its end record, are held back until then to set the comment's length). ``on_close``
-    receives the :class:`Digest` of everything written (with a trailer: of the file less its comment)."""
+    receives the :class:`Digest` of everything written (with a trailer: of the file less its comment). ``entries``:
+    each :meth:`tell` ends a block, as a writer that records where its entries start asks before each one."""
 
-    def __init__(self, raw: BinaryIO, block: int, *, trailer: bool = False, on_close: Any = None) -> None:
+    def __init__(
+        self, raw: BinaryIO, block: int, *, trailer: bool = False, on_close: Any = None, entries: bool = False
+    ) -> None:
         self._raw = raw
+        self._entries = entries and not trailer
         self._hasher = BlockHasher(block)
         self._trailer = trailer
         self._tail = b""
@@ -155,6 +174,8 @@ class HashingFile:
             self._raw.write(data)
 
     def tell(self) -> int:
+        if self._entries:  # a writer asks where an entry starts (DCP does, before and after each): a block ends
+            self._hasher.cut()
         return self._hasher.size + len(self._tail)
 
     def flush(self) -> None:
@@ -284,10 +305,17 @@ class Recorder:
             self.files[Path(relative).as_posix()] = digest
 
     def wrap(
-        self, raw: BinaryIO, file: str | os.PathLike[str], trailer: bool = False, expected: int | None = None
+        self,
+        raw: BinaryIO,
+        file: str | os.PathLike[str],
+        trailer: bool = False,
+        expected: int | None = None,
+        entries: bool = False,
     ) -> HashingFile:
-        """``raw``, open for writing on ``file``, hashed; its digest recorded when it is finished."""
-        return HashingFile(raw, block_size(expected), trailer=trailer, on_close=lambda d: self.add(file, d))
+        """``raw``, open for writing on ``file``, hashed; its digest recorded when it is finished (``trailer``,
+        ``entries``: see :class:`HashingFile`)."""
+        block = block_size(expected)
+        return HashingFile(raw, block, trailer=trailer, on_close=lambda d: self.add(file, d), entries=entries)
 
     def rename(self, old: str | os.PathLike[str], new: str | os.PathLike[str]) -> None:
         """A file written under one name and renamed (a writer's ``.tmp`` file put in place)."""

@@ -21,6 +21,7 @@ callers pass the model, optimizers, rank and an all-gather.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -247,7 +248,8 @@ def save_sharded(
     recorder = checksum.active()
     writer = None
     if recorder is not None:  # DCP may write from threads of its own: the recorder is handed over, not looked up
-        writer = torch_internals.dcp_writer_through(os.fspath(staging), recorder.wrap, recorder.rename)
+        wrap = functools.partial(recorder.wrap, entries=True)  # each entry in blocks of its own
+        writer = torch_internals.dcp_writer_through(os.fspath(staging), wrap, recorder.rename)
     _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group, storage_writer=writer)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
@@ -270,7 +272,8 @@ def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Ma
     if missing:
         raise RuntimeError(f"local checkpoint: shards of ranks {missing} were not written to {staging}")
     # The marker is written last: a directory without it is never taken for a checkpoint.
-    (staging / LOCAL_METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    with checksum.open_for_writing(staging / LOCAL_METADATA) as handle:
+        handle.write(json.dumps(meta, indent=2, sort_keys=True).encode())
 
 
 def local_metadata(

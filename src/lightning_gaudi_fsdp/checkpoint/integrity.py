@@ -111,8 +111,8 @@ def verify(path: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1, 
         units = _units(path)
         if units is None:
             return False
-        for unit, first, last, owns_start in _share(units, rank, world_size):
-            _check_unit(path, unit, first, last, owns_start)
+        for unit, blocks, owns_start in _share(units, rank, world_size):
+            _check_unit(path, unit, blocks, owns_start)
     except CheckpointIntegrityError as err:
         if not earlier:
             raise
@@ -120,27 +120,39 @@ def verify(path: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1, 
     return True
 
 
-def _share(units: list[_Unit], rank: int, world_size: int) -> Iterator[tuple[_Unit, int, int, bool]]:
-    """This rank's part: the blocks (first, last exclusive) of each file whose start lies in its contiguous range of
-    the checkpoint's bytes; ``owns_start``: it also checks the file is there with its size."""
+def verify_offline(path: str | os.PathLike[str], notes: list[str] | None = None) -> bool:
+    """:func:`verify` in one process, for the offline tools (``inspect``, ``convert``, ``export_hf``): raises on
+    damage; a checkpoint without checksums adds the "not verified" line to ``notes`` (else logs it)."""
+    if verify(path):
+        return True
+    line = NOT_VERIFIED.format(path=str(path))
+    if notes is None:
+        log.warning(line)
+    else:
+        notes.append(line)
+    return False
+
+
+def _share(units: list[_Unit], rank: int, world_size: int) -> Iterator[tuple[_Unit, list[tuple[int, int, int]], bool]]:
+    """This rank's part: the blocks ``(index, start, end)`` of each file that start in its contiguous range of the
+    checkpoint's bytes; ``owns_start``: it also checks the file is there with its size."""
     total = sum(u.covered for u in units)
     lo, hi = total * rank // world_size, total * (rank + 1) // world_size
+
+    def mine(at: int) -> bool:
+        return lo <= at < hi or (rank == world_size - 1 and at >= total)
+
     offset = 0
-    for index, unit in enumerate(units):
-        block = unit.digest.block
-        count = max(1, -(-unit.covered // block))
-        blocks = [
-            b for b in range(count) if lo <= offset + b * block < hi or (hi == total and offset + b * block >= total)
-        ]
-        owns_start = lo <= offset < hi or (hi == total and offset >= total) or (index == 0 and rank == 0)
-        if owns_start and unit.covered == 0:
-            blocks = [0]
+    for unit in units:
+        ranges = unit.digest.ranges(unit.covered)
+        blocks = [(i, start, end) for i, (start, end) in enumerate(ranges) if mine(offset + start)]
+        owns_start = mine(offset)
         if blocks or owns_start:
-            yield unit, (blocks[0] if blocks else 0), (blocks[-1] + 1 if blocks else 0), owns_start
+            yield unit, blocks, owns_start
         offset += unit.covered
 
 
-def _check_unit(path: Path, unit: _Unit, first: int, last: int, owns_start: bool) -> None:
+def _check_unit(path: Path, unit: _Unit, blocks: list[tuple[int, int, int]], owns_start: bool) -> None:
     def fail(problem: str) -> CheckpointIntegrityError:
         return CheckpointIntegrityError(path, f"checksum verification failed: file {unit.name!r} {problem}", unit.name)
 
@@ -148,24 +160,21 @@ def _check_unit(path: Path, unit: _Unit, first: int, last: int, owns_start: bool
         raise fail("is missing")
     size = unit.file.stat().st_size
     expected = unit.digest.size if not unit.trailer else size  # a trailer's own length was checked when read
-    if owns_start and size != expected:
+    if size != expected:  # every rank with a part of it says so (it cannot read its part as written)
         shorter = "is truncated: " if size < expected else "has another size: "
         raise fail(f"{shorter}expected {expected} bytes, found {size}")
-    block = unit.digest.block
     with open(unit.file, "rb") as handle:
-        for index in range(first, last):
-            start = index * block
-            length = min(block, unit.covered - start)
+        for index, start, end in blocks:
             handle.seek(start)
-            data = handle.read(length)
-            if unit.trailer and start + length == unit.covered:
+            data = handle.read(end - start)
+            if unit.trailer and end == unit.covered:
                 data = data[:-2] + b"\0\0"  # the digest covers the end record without its comment's length
             found = xxhash.xxh3_64(data).digest()
             wanted = unit.digest.block_digest(index)
             if found != wanted:
-                entry = _entry_at(path, unit, start, start + length)
+                entry = _entry_at(path, unit, start, end)
                 raise fail(
-                    f"{entry}(bytes {start} to {start + length}) does not match: expected {checksum.ALGORITHM} "
+                    f"{entry}(bytes {start} to {end}) does not match: expected {checksum.ALGORITHM} "
                     f"{wanted.hex()}, found {found.hex()}"
                 )
 
