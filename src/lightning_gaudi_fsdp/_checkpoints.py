@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _report, gaudi
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import formats, loading, location, space, storage, streaming
+from lightning_gaudi_fsdp.checkpoint import commit, files, formats, loading, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -30,13 +30,23 @@ from lightning_gaudi_fsdp.engine.pieces import gather_objects
 T = TypeVar("T")
 
 
-def agreed_path(door: Any, path: Any, argument: str, call: str) -> Path:
-    """``path`` (an argument of the door's ``call``) as rank 0 has it, on every rank; a URL is refused there, before
-    anything is read or written (see :func:`.location.local_path`)."""
-    return location.local_path(door.broadcast(str(path)), argument, call)
+def agreed_path(door: Any, path: Any, argument: str, call: str) -> files.Where:
+    """``path`` (an argument of the door's ``call``) as rank 0 has it, on every rank: a local path or a URL
+    (:func:`.files.locate`); what cannot be honoured is refused there, before anything is read or written."""
+    return files.locate(door.broadcast(str(path)), argument, call)
 
 
-def trainer_load_path(strategy: Any, checkpoint_path: Any) -> Path:
+def remove_checkpoint(door: Any, path: Any, remove_local: Callable[[Any], None]) -> None:
+    """The door's ``remove_checkpoint``: a checkpoint at a URL deleted whole on rank 0 (its commit record first, then
+    its data: see :func:`.commit.remove_checkpoint`); a local one by ``remove_local`` (Lightning's own)."""
+    where = files.locate(path, "filepath", "remove_checkpoint")
+    if not files.is_remote(where):
+        remove_local(path)
+    elif door.is_global_zero:
+        commit.remove_checkpoint(where)
+
+
+def trainer_load_path(strategy: Any, checkpoint_path: Any) -> files.Where:
     """:func:`agreed_path` for the ``ckpt_path`` of the Trainer call that restores (``trainer.validate``...)."""
     call = f"trainer.{strategy.lightning_module.trainer.state.fn.value}"
     return agreed_path(strategy, checkpoint_path, "ckpt_path", call)

@@ -84,7 +84,7 @@ def dcp_save(
 ) -> None:
     """``torch.distributed.checkpoint.save``; ``no_dist=True`` writes from one process without a process group
     (offline conversion), on every supported torch. ``process_group``: the group DCP coordinates over (default: the
-    default group). ``storage_writer``: DCP's writer (default: its file-system writer for ``checkpoint_id``)."""
+    default group). ``storage_writer``: torch's writer to use (a URL's), else the file-system one for the path."""
     import torch.distributed.checkpoint as dcp
 
     if TORCH_GREATER_EQUAL_2_7:

@@ -12,13 +12,17 @@ the newest last checkpoint of Lightning's own candidates, of the same logger's e
 ``logger=False``, where every run shares one folder. Where Lightning's own candidate is the newest, nothing changes.
 
 Before that, in the launching process (before any other process starts) and in every process that torchrun or SLURM
-started, :func:`refuse_urls` refuses a ``ckpt_path`` or a checkpoint folder that is a URL (object storage): nothing has
-been trained, read or written yet (see :mod:`.checkpoint.location`).
+started, :func:`refuse_urls` checks a ``ckpt_path`` and each checkpoint folder: a location that cannot be honoured is
+refused, and at a URL (object storage) the bucket must exist and the credentials be accepted, before anything is
+trained, read or written (see :mod:`.checkpoint.files`). ``ckpt_path="last"`` with a ``ModelCheckpoint`` whose folder
+is a URL takes the newest committed ``last*.ckpt`` there (:func:`last_at_urls`): Lightning's own search lists the
+bucket's keys without their protocol and finds none.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gaudi_fsdp.adapters import lightning_internals
-from lightning_gaudi_fsdp.checkpoint import location
+from lightning_gaudi_fsdp.checkpoint import commit, files
 
 
 def install(strategy: Any) -> None:
@@ -59,7 +63,9 @@ def refuse_urls(trainer: Any, ckpt_path: Any) -> None:
     if config is not None and config.preemption == "save" and (not trainer.checkpoint_callbacks or on_slurm(trainer)):
         places.append(root)  # <default_root_dir>/checkpoints/last.ckpt, or SLURM's hpc_ckpt_<n>.ckpt
     for call, argument, value in places:
-        location.local_path(value, argument, call)
+        where = files.locate(value, argument, call)
+        if files.is_remote(where):
+            files.probe(where, argument, call)
 
 
 def on_slurm(trainer: Any) -> bool:
@@ -73,17 +79,42 @@ def preemption_path(trainer: Any) -> str:
     return str(last_checkpoint_path(trainer))
 
 
-def last_checkpoint_path(trainer: Any) -> Path:
+def last_checkpoint_path(trainer: Any) -> files.Where:
     """The first ``ModelCheckpoint``'s ``last.ckpt`` (whatever its ``save_last``), else
     ``<default_root_dir>/checkpoints/last.ckpt``."""
     callback = trainer.checkpoint_callback
     if callback is not None and callback.dirpath is not None:
-        return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-    return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        folder = files.locate(callback.dirpath, "dirpath", type(callback).__name__)
+        return folder / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    return files.locate(trainer.default_root_dir, "default_root_dir", "Trainer") / "checkpoints" / "last.ckpt"
+
+
+def last_at_urls(trainer: Any) -> str | None:
+    """The newest committed ``last*.ckpt`` in the URL folders of the ``ModelCheckpoint`` callbacks (by the time in
+    its commit record), or None."""
+    found: dict[str, float] = {}
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if not isinstance(callback, ModelCheckpoint) or dirpath is None:
+            continue
+        folder = files.locate(dirpath, "dirpath", type(callback).__name__)
+        if not files.is_remote(folder):
+            continue
+        last, extension = re.escape(callback.CHECKPOINT_NAME_LAST), re.escape(callback.FILE_EXTENSION)
+        pattern = re.compile(rf"^{last}(-\d+)?{extension}$")
+        for name in files.listdir(folder):
+            record = commit.read_record(folder / name) if pattern.match(name) else None
+            if record is not None:
+                found[str(folder / name)] = float(record.get("time", 0.0))
+    return max(found, key=found.__getitem__) if found else None
 
 
 def resolve_last(trainer: Any, ckpt_path: Any) -> Any:
     """``ckpt_path`` as given to ``fit``, or the path of the newest last checkpoint where Lightning would miss it."""
+    if ckpt_path == "last":
+        at_url = last_at_urls(trainer)
+        if at_url is not None:
+            return at_url
     if ckpt_path != "last" or getattr(trainer.strategy, "_config", None) is None:
         return ckpt_path
     if trainer.strategy._config.preemption != "save":

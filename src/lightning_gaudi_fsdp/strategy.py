@@ -385,10 +385,11 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
         # With async_save, ModelCheckpoint asks to remove the checkpoint it replaces right after save_checkpoint
         # returns, before the newer one is written: that removal waits until the newer one has committed.
         background = self._background
+        remove = functools.partial(_checkpoints.remove_checkpoint, self, filepath, super().remove_checkpoint)
         if background is not None and background.active:
-            background.defer_removal(functools.partial(super().remove_checkpoint, filepath))
+            background.defer_removal(remove)
             return
-        super().remove_checkpoint(filepath)
+        remove()
 
     @override
     def on_train_start(self) -> None:

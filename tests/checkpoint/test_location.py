@@ -1,7 +1,9 @@
-"""A checkpoint location that is a URL (object storage) is refused at every entry point with one message naming the
-call, the argument and the URL, before anything is read or written. Before, ``trainer.save_checkpoint("s3://...")``
-wrote a folder named ``s3:`` under the working directory and reported success, and resuming, ``inspect`` and
-``pretrained_weights`` read that folder back. These run in this process; the doors' saves and loads on 2 ranks are in
+"""A checkpoint location that cannot be honoured (a URL no fsspec file system opens, an unknown protocol, a chain, an
+in-process ``memory://`` store, a URL where an argument takes none yet, a URL flattened into a local path) is refused
+at every entry point with one message naming the call, the argument and the value, before anything is read or written.
+Before, ``trainer.save_checkpoint("s3://...")`` wrote a folder named ``s3:`` under the working directory and reported
+success, and resuming, ``inspect`` and ``pretrained_weights`` read that folder back. URLs that are honoured (``s3://``
+against a real server) are tested in ``tests/checkpoint/test_files.py`` and
 ``tests/distributed/test_object_storage.py``."""
 
 from __future__ import annotations
@@ -23,16 +25,34 @@ from lightning_gaudi_fsdp.cli import main
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy as FabricStrategy
 
 URL = "s3://ckpt/run/x.ckpt"
+UNKNOWN = "nosuch://ckpt/run/x.ckpt"
+MEMORY = "memory://ckpt/run"
+CHAIN = "simplecache::s3://ckpt/run/x.ckpt"
 ADVICE = (
-    "checkpoints on object storage (or at any URL but file://) are not supported by GaudiFSDPStrategy yet, and nothing "
-    "was read or written. Pass a local path, or the path where the bucket is mounted as a file system (a FUSE mount "
-    'such as s3fs-fuse or gcsfuse); see docs/checkpoints.md, "Where checkpoints go"'
+    "this argument takes a local path or a URL of the form protocol://bucket/path that an installed fsspec file system "
+    "opens (s3:// with lightning-gaudi-fsdp[s3]), and nothing was read or written; see docs/checkpoints.md, "
+    '"Checkpoints on object storage"'
 )
 
 
 def refused(argument: str, value: str, call: str = "") -> str:
+    """The message of :func:`local_path` (and of :func:`.files.locate` for a chain)."""
     scheme = re.match(r"[^:/]+(://|::)", value).group(0)  # type: ignore[union-attr]
     return f"{call}: " * bool(call) + f"{argument}={value!r} is a URL ({scheme!r}): {ADVICE}"
+
+
+def unknown(argument: str, value: str, call: str = "") -> str:
+    return (
+        f"{call}: " * bool(call)
+        + f"{argument}={value!r}: no fsspec file system is known for 'nosuch://' URLs; {ADVICE}"
+    )
+
+
+def in_process(argument: str, value: str, call: str = "") -> str:
+    return (
+        f"{call}: " * bool(call) + f"{argument}={value!r}: a 'memory://' file system lives inside one process, where "
+        f"the other ranks and a later run cannot read it; {ADVICE}"
+    )
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -91,27 +111,33 @@ def test_local_path_takes_paths_and_file_urls_and_refuses_every_other_url(tmp_pa
         assert str(caught.value).startswith(
             f"dirpath={str(flat)!r} has a folder named {folder!r}: a {folder[:-1] + '://'!r} URL flattened into a "
             "local path (pathlib.Path('s3://b/x') is 's3:/b/x'; Lightning's ModelCheckpoint turns "
-            "dirpath='file:///x' into a folder 'file:' under the working directory): checkpoints on object storage"
+            "dirpath='file:///x' into a folder 'file:' under the working directory): this argument takes a local path"
         )
 
 
 @pytest.mark.parametrize(
-    ("argv", "argument", "url"),
+    ("argv", "message"),
     [
-        (["inspect", URL], "path", URL),
-        (["convert", URL, "out.ckpt", "--to", "sharded"], "src", URL),
-        (["convert", "good.ckpt", "s3://ckpt/run/y.ckpt", "--to", "full"], "dst", "s3://ckpt/run/y.ckpt"),
-        (["convert", URL, "hf-out", "--to", "hf"], "src", URL),
-        (["convert", "good.ckpt", "gs://models/hf", "--to", "hf"], "dst", "gs://models/hf"),
-        (["convert", "good.ckpt", "hf-out", "--to", "hf", "--hf-config", "hf://org/m"], "hf_config", "hf://org/m"),
+        (["inspect", UNKNOWN], unknown("path", UNKNOWN)),
+        (["inspect", CHAIN], refused("path", CHAIN)),
+        (["convert", UNKNOWN, "out.ckpt", "--to", "sharded"], unknown("src", UNKNOWN)),
+        (["convert", "good.ckpt", f"{MEMORY}/y.ckpt", "--to", "full"], in_process("dst", f"{MEMORY}/y.ckpt")),
+        (["convert", URL, "hf-out", "--to", "hf"], refused("src", URL)),  # export_hf takes no URL yet
+        (["convert", "good.ckpt", "gs://models/hf", "--to", "hf"], refused("dst", "gs://models/hf")),
+        (
+            ["convert", "good.ckpt", "hf-out", "--to", "hf", "--hf-config", "hf://org/m"],
+            refused("hf_config", "hf://org/m"),
+        ),
     ],
 )
-def test_inspect_and_convert_refuse_a_url_in_one_line_with_exit_code_2(misdirected, cwd, argv, argument, url):
+def test_inspect_and_convert_refuse_what_they_cannot_honour_in_one_line_with_exit_code_2(
+    misdirected, cwd, argv, message
+):
     before = tree(cwd)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = main(argv)
-    assert (code, err.getvalue()) == (2, f"lightning-gaudi-fsdp {argv[0]}: error: {refused(argument, url)}\n")
+    assert (code, err.getvalue()) == (2, f"lightning-gaudi-fsdp {argv[0]}: error: {message}\n")
     assert tree(cwd) == before  # nothing written (no new s3: or gs: folder), the checkpoints as they were
 
 
@@ -131,18 +157,18 @@ def test_fit_refuses_url_locations_before_any_process_starts(misdirected, cwd, c
     """Checked by the launcher (every fit process runs it first): no process group, no step, nothing written."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    memory = "memory://ckpt/run"
+    memory = MEMORY
     kwargs: dict[str, Any] = dict(logger=False)
     ckpt_path: str | None = None
     if case == "ckpt_path":
-        ckpt_path, expected = URL, refused("ckpt_path", URL, "trainer.fit")
+        ckpt_path, expected = UNKNOWN, unknown("ckpt_path", UNKNOWN, "trainer.fit")
     elif case.startswith("dirpath"):
         kwargs["callbacks"] = [ModelCheckpoint(dirpath=memory)]
         ckpt_path = "last" if case.endswith("last") else None
-        expected = refused("dirpath", memory, "ModelCheckpoint")
+        expected = in_process("dirpath", memory, "ModelCheckpoint")
     elif case == "default_root_dir":  # where the default ModelCheckpoint saves
         kwargs["default_root_dir"] = memory
-        expected = refused("default_root_dir", memory, "Trainer")
+        expected = in_process("default_root_dir", memory, "Trainer")
     else:  # Lightning flattens it to <cwd>/file:<tmp>/mc
         kwargs["callbacks"] = [ModelCheckpoint(dirpath=f"file://{cwd.parent}/mc")]
         expected = f"ModelCheckpoint: dirpath='{cwd}/file:{cwd.parent}/mc' has a folder named 'file:'"

@@ -1,17 +1,24 @@
-"""A checkpoint URL through both doors on 2 ranks: every rank raises the same error naming the call and the URL, nothing
-is written (before, ``trainer.save_checkpoint("s3://...")`` made a folder ``s3:`` in the working directory, and a fit
-or ``fabric.load`` from the same string read it back), and the good checkpoints saved before stay as they were."""
+"""A checkpoint URL that cannot be honoured (an unknown protocol; ``memory://``, which no other process sees) through
+both doors on 2 ranks: every rank raises the same error naming the call and the URL, nothing is written (before,
+``trainer.save_checkpoint("s3://...")`` made a folder ``s3:`` in the working directory, and a fit or ``fabric.load``
+from the same string read it back), and the good checkpoints saved before stay as they were. URLs that are honoured
+(``s3://``, against a real server) are in ``test_s3.py``."""
 
 from __future__ import annotations
 
 import json
 
-URL = "s3://ckpt/run/x.ckpt"
+URL = "nosuch://ckpt/run/x.ckpt"
 MEMORY = "memory://ckpt/run"
 ADVICE = (
-    "checkpoints on object storage (or at any URL but file://) are not supported by GaudiFSDPStrategy yet, and nothing "
-    "was read or written. Pass a local path, or the path where the bucket is mounted as a file system (a FUSE mount "
-    'such as s3fs-fuse or gcsfuse); see docs/checkpoints.md, "Where checkpoints go"'
+    "this argument takes a local path or a URL of the form protocol://bucket/path that an installed fsspec file system "
+    "opens (s3:// with lightning-gaudi-fsdp[s3]), and nothing was read or written; see docs/checkpoints.md, "
+    '"Checkpoints on object storage"'
+)
+UNKNOWN = f"no fsspec file system is known for 'nosuch://' URLs; {ADVICE}"
+IN_PROCESS = (
+    "a 'memory://' file system lives inside one process, where the other ranks and a later run cannot read it; "
+    + ADVICE
 )
 
 
@@ -23,15 +30,15 @@ def test_urls_are_refused_on_every_rank_of_both_doors_and_nothing_is_written(sce
     ranks = [json.loads((run.out / f"urls{rank}.json").read_text()) for rank in (0, 1)]
     expected = {
         "trainer": {
-            "trainer.save_checkpoint": f"trainer.save_checkpoint: filepath='{URL}' is a URL ('s3://'): {ADVICE}",
-            "trainer.validate": f"trainer.validate: ckpt_path='{URL}' is a URL ('s3://'): {ADVICE}",
-            "trainer.fit": f"trainer.fit: ckpt_path='{URL}' is a URL ('s3://'): {ADVICE}",
-            "ModelCheckpoint": f"ModelCheckpoint: dirpath='{MEMORY}' is a URL ('memory://'): {ADVICE}",
-            "ModelCheckpoint, last": f"ModelCheckpoint: dirpath='{MEMORY}' is a URL ('memory://'): {ADVICE}",
+            "trainer.save_checkpoint": f"trainer.save_checkpoint: filepath='{URL}': {UNKNOWN}",
+            "trainer.validate": f"trainer.validate: ckpt_path='{URL}': {UNKNOWN}",
+            "trainer.fit": f"trainer.fit: ckpt_path='{URL}': {UNKNOWN}",
+            "ModelCheckpoint": f"ModelCheckpoint: dirpath='{MEMORY}': {IN_PROCESS}",
+            "ModelCheckpoint, last": f"ModelCheckpoint: dirpath='{MEMORY}': {IN_PROCESS}",
         },
         "fabric": {
-            "fabric.save": f"fabric.save: path='{URL}' is a URL ('s3://'): {ADVICE}",
-            "fabric.load": f"fabric.load: path='{URL}' is a URL ('s3://'): {ADVICE}",
+            "fabric.save": f"fabric.save: path='{URL}': {UNKNOWN}",
+            "fabric.load": f"fabric.load: path='{URL}': {UNKNOWN}",
         },
     }
     for rank, records in enumerate(ranks):

@@ -131,21 +131,25 @@ def dcp_save_no_dist(state: dict[str, Any], path: str, storage_writer: Any = Non
     _save_state_dict(state, storage_writer=writer, no_dist=True)
 
 
-def dcp_writer_through(path: str, wrap: Callable[[Any, str], Any], renamed: Callable[[str, str], None]) -> Any:
-    """DCP's ``FileSystemWriter(path)`` whose files, opened for writing, pass through ``wrap(stream, file)`` (a file
-    object with an optional ``finish()`` called once the writer is done with it), and whose renames (its
-    ``.metadata.tmp`` put in place) are told to ``renamed(old, new)``. The writer's file system is its attribute
-    ``fs`` (a ``FileSystem`` with ``create_stream`` and ``rename``), on torch 2.6 to 2.13."""
+def dcp_writer_through(writer: Any, wrap: Callable[[Any, str], Any], renamed: Callable[[str, str], None]) -> Any:
+    """DCP's ``writer`` (its file-system writer, or its fsspec one for a URL) with the files it opens for writing
+    passed through ``wrap(stream, file)`` (a file object with an optional ``finish()``, called once the writer is
+    done with it), and its renames (its ``.metadata.tmp`` put in place) told to ``renamed(old, new)``. Both writers
+    keep their file system in the attribute ``fs`` (``create_stream``, ``rename``...), on torch 2.6 to 2.13."""
     import contextlib
     import os
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    inner = getattr(writer, "fs", None)
+    if inner is None or not callable(getattr(inner, "create_stream", None)):
+        raise RuntimeError(f"torch's {type(writer).__name__} keeps no file system in .fs: its files cannot be hashed")
 
-    class _Through(FileSystem):
+    class _Through:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
         @contextlib.contextmanager
         def create_stream(self, file: Any, mode: str) -> Any:
-            with super().create_stream(file, mode) as stream:
+            with inner.create_stream(file, mode) as stream:
                 if "w" not in mode:
                     yield stream
                     return
@@ -156,12 +160,9 @@ def dcp_writer_through(path: str, wrap: Callable[[Any, str], Any], renamed: Call
                     finish()
 
         def rename(self, file: Any, new: Any) -> None:
-            super().rename(file, new)
+            inner.rename(file, new)
             renamed(os.fspath(file), os.fspath(new))
 
-    writer = dcp.FileSystemWriter(path)
-    if not isinstance(getattr(writer, "fs", None), FileSystem):
-        raise RuntimeError("torch's FileSystemWriter keeps no FileSystem in .fs: its files cannot be checksummed")
     writer.fs = _Through()
     return writer
 
@@ -311,3 +312,22 @@ def is_checkpoint_wrapper(module: Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     return isinstance(module, CheckpointWrapper)
+
+
+def fsspec_dcp_writer(url: str) -> Any:
+    """torch's distributed-checkpoint writer into the folder at an fsspec ``url`` (``FsspecWriter``, from the private
+    ``_fsspec_filesystem`` on every supported torch). No fsync: an object store has none, and torch's fallback for a
+    stream without a file descriptor is ``os.sync()`` of the whole host."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, sync_files=False)
+
+
+def read_through_fsspec(reader: Any, url: str) -> Any:
+    """Point a ``FileSystemReader`` (or subclass) at the folder at an fsspec ``url``: what torch's ``FsspecReader``
+    does in its constructor (its ``FileSystem`` is in the private ``_fsspec_filesystem``)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    reader.fs = FileSystem()
+    reader.path = reader.fs.init_path(url)
+    return reader

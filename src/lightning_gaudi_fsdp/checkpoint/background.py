@@ -105,7 +105,7 @@ class BackgroundSaver:
         staged, later = self._stager.stage_later(checkpoint, defer)
         self.deferred_bytes = later.nbytes
         group = self._process_group()
-        job = _Job(Path(path), time.monotonic())
+        job = _Job(path, time.monotonic())  # a Path or a URL (.files.Remote)
         if not later.copies:
             job.staged.set()
         thread = threading.Thread(

@@ -21,14 +21,17 @@ import contextlib
 import contextvars
 import json
 import os
+import posixpath
 import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import xxhash
+
+from lightning_gaudi_fsdp.checkpoint import files
+from lightning_gaudi_fsdp.checkpoint.files import Where
 
 ALGORITHM = "xxh3_64"
 DIGEST_BYTES = 8
@@ -239,13 +242,13 @@ class TrailerDamaged(ValueError):
     """A file that carries a checksum trailer which cannot be read as written (a truncated or damaged end)."""
 
 
-def read_trailer(path: str | os.PathLike[str]) -> tuple[Digest, int] | None:
+def read_trailer(path: Where) -> tuple[Digest, int] | None:
     """The digest a :class:`HashingFile` appended to the ``torch.save`` archive at ``path``, and the number of bytes
     it covers (the archive less its comment); ``None`` when it carries none. Raises :class:`TrailerDamaged` when
     its end holds a trailer that is cut short or altered."""
-    with open(path, "rb") as handle:
-        end = handle.seek(0, os.SEEK_END)
-        start = max(0, end - (_EOCD_SIZE + 65535 + 1))
+    end = files.size(path)
+    start = max(0, end - (_EOCD_SIZE + 65535 + 1))
+    with files.open_read(path) as handle:
         handle.seek(start)
         tail = handle.read()
     at = tail.rfind(TRAILER_MAGIC)
@@ -266,43 +269,30 @@ def read_trailer(path: str | os.PathLike[str]) -> tuple[Digest, int] | None:
         raise TrailerDamaged(f"its checksum record is unreadable ({err})") from err
 
 
-def trailer_body(path: str | os.PathLike[str], covered: int) -> Iterator[bytes]:
-    """The bytes a trailer's digest covers: the archive with its end record's comment length set to zero."""
-    with open(path, "rb") as handle:
-        left = covered - 2
-        while left > 0:
-            chunk = handle.read(min(left, 8 << 20))
-            if not chunk:
-                return
-            left -= len(chunk)
-            yield chunk
-        yield b"\0\0"
-
-
 # ---------------------------------------------------------------------------------------- recording while saving
-def write_manifest(directory: Path, files: dict[str, Digest]) -> None:
-    """The manifest of a directory checkpoint: ``files``' digests, by name relative to ``directory`` (its staging
-    directory, before the commit makes it visible)."""
+def write_manifest(directory: Where, digests: dict[str, Digest]) -> None:
+    """The manifest of a directory checkpoint: ``digests``, by file name in ``directory`` (its staging directory,
+    before the commit makes it visible)."""
     data = {
         "format_version": MANIFEST_VERSION,
         "algorithm": ALGORITHM,
-        "files": {name: files[name].to_json() for name in sorted(files)},
+        "files": {name: digests[name].to_json() for name in sorted(digests)},
     }
-    (Path(directory) / MANIFEST).write_text(json.dumps(data, indent=1, sort_keys=True))
+    with files.open_write(directory / MANIFEST) as handle:
+        handle.write(json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 class Recorder:
     """The digests of the files one rank writes under ``root`` during one save (thread-safe)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+    def __init__(self, root: Where) -> None:
+        self.root = root
         self.files: dict[str, Digest] = {}
         self._lock = threading.Lock()
 
-    def add(self, file: str | os.PathLike[str], digest: Digest) -> None:
-        relative = os.path.relpath(os.path.abspath(file), os.path.abspath(self.root))
-        with self._lock:
-            self.files[Path(relative).as_posix()] = digest
+    def add(self, file: str | os.PathLike[str] | Where, digest: Digest) -> None:
+        with self._lock:  # a checkpoint folder is flat: a file is known by its name (a path's or a URL's)
+            self.files[_name(file)] = digest
 
     def wrap(
         self,
@@ -319,11 +309,13 @@ class Recorder:
 
     def rename(self, old: str | os.PathLike[str], new: str | os.PathLike[str]) -> None:
         """A file written under one name and renamed (a writer's ``.tmp`` file put in place)."""
-        rel = Path(os.path.relpath(os.path.abspath(old), os.path.abspath(self.root))).as_posix()
         with self._lock:
-            if rel in self.files:
-                digest = self.files.pop(rel)
-                self.files[Path(os.path.relpath(os.path.abspath(new), os.path.abspath(self.root))).as_posix()] = digest
+            if _name(old) in self.files:
+                self.files[_name(new)] = self.files.pop(_name(old))
+
+
+def _name(file: Any) -> str:
+    return posixpath.basename(str(file).replace(os.sep, "/").rstrip("/"))
 
 
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("checkpoint_recorder", default=None)
@@ -344,7 +336,7 @@ def active() -> Recorder | None:
     return _RECORDER.get()
 
 
-def wrap(raw: BinaryIO, file: str | os.PathLike[str], *, trailer: bool = False, expected: int | None = None) -> Any:
+def wrap(raw: BinaryIO, file: Where, *, trailer: bool = False, expected: int | None = None) -> Any:
     """``raw`` (open for writing on ``file``) hashed and recorded by the active recorder; ``raw`` itself when no
     recorder is active (checksums off). ``trailer``: see :class:`HashingFile`."""
     recorder = active()
@@ -352,11 +344,10 @@ def wrap(raw: BinaryIO, file: str | os.PathLike[str], *, trailer: bool = False, 
 
 
 @contextlib.contextmanager
-def open_for_writing(
-    file: str | os.PathLike[str], *, trailer: bool = False, expected: int | None = None
-) -> Iterator[Any]:
-    """Open ``file`` for writing (binary), hashed while written when a recorder is active (see :func:`wrap`)."""
-    with open(file, "wb") as raw:
+def open_for_writing(file: Where, *, trailer: bool = False, expected: int | None = None) -> Iterator[Any]:
+    """Open ``file`` for writing (:func:`.files.open_write`), hashed while written when a recorder is active (see
+    :func:`wrap`)."""
+    with files.open_write(file) as raw:
         handle = wrap(raw, file, trailer=trailer, expected=expected)
         yield handle
         if isinstance(handle, HashingFile):

@@ -22,7 +22,7 @@ import torch
 
 from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
-from lightning_gaudi_fsdp.checkpoint import checksum, commit, integrity, location, storage
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, integrity, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
     HF_KEY,
@@ -36,6 +36,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_engine,
     local_shard_name,
     read_local_metadata,
+    readable,
     save_file,
     save_sharded,
 )
@@ -89,7 +90,7 @@ def describe(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict
     recorded, or by ``convert``, whose single process writes for any world size).
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
-    path = location.local_path(path, "path")
+    path = readable(path)
     fmt = detect_format(path)
     info: dict[str, Any] = {"path": str(path), "format": fmt}
     if fmt == "full":
@@ -145,7 +146,7 @@ def load_full_state(
     layout) in memory; returns it and notes about what was dropped.
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
-    path = location.local_path(path, "path")
+    path = readable(path)
     fmt = detect_format(path)
     if fmt == "full":
         return file_view(load_file(path, path, "the checkpoint file", weights_only=weights_only), path), []
@@ -306,7 +307,7 @@ def convert(
     with ``weights_only`` (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. A write that
     fails, or free space short of the estimated output (checked first unless ``check_free_space`` is off, see
     :func:`~.space.check_free_space_enabled`), raises :class:`~.storage.CheckpointSaveError` naming the cause."""
-    src, dst = location.local_path(src, "src"), location.local_path(dst, "dst")
+    src, dst = files.locate(src, "src"), files.locate(dst, "dst")
     if to not in ("full", "sharded"):
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
     if dst.exists():
@@ -315,7 +316,7 @@ def convert(
     integrity.verify_offline(src, verified)  # before anything is read: damage raises CheckpointIntegrityError
     checkpoint, notes = load_full_state(src, progress, weights_only=weights_only)
     notes = verified + notes
-    staging = commit.staging_path(dst)
+    staging = commit.staging_path(dst, os.urandom(6).hex())
     if to == "full":
         if is_fabric(checkpoint):
             checkpoint = fabric_layout(checkpoint)
@@ -333,6 +334,7 @@ def convert(
             directory=to == "sharded",
             needed=lambda: bytes_to_write(to, checkpoint, rank=0),
             check_free_space=check_free_space,
+            staging=staging,
             recorder=recorder if to == "sharded" else None,
         )
     return notes

@@ -31,7 +31,6 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +38,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.checkpoint import files
+from lightning_gaudi_fsdp.checkpoint.files import Where
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, merge_groups
 from lightning_gaudi_fsdp.checkpoint.storage import first_line
 
@@ -289,7 +290,7 @@ class _PiecePlanner:
         return PiecePlanner()
 
 
-def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
+def read_pieces(path: Where, metadata: Any, pieces: Pieces) -> bool:
     """Read ``pieces`` from the checkpoint at ``path``: each file opened once, its entries read in file order, each
     saved tensor decoded by :func:`.trust.tensor_from_archive` (``torch.load(..., weights_only=True)``, as DCP's own
     reader, for any it does not decode). ``False`` (nothing read) for a checkpoint whose entries are transformed
@@ -307,7 +308,7 @@ def read_pieces(path: Path, metadata: Any, pieces: Pieces) -> bool:
         by_file.setdefault(info.relative_path, []).append((info, item))
     for relative, entries in by_file.items():
         entries.sort(key=lambda entry: entry[0].offset)
-        with open(path / relative, "rb", buffering=0) as handle:
+        with files.open_read(path / relative, buffering=0) as handle:
             last: tuple[Any, torch.Tensor] | None = None
             for info, item in entries:
                 if last is None or last[0] != (info.offset, info.length):

@@ -35,7 +35,8 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _compat
 from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import checksum, commit, location, space, storage
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, space, storage
+from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
 CheckpointFormat = Literal["full", "sharded", "local"]
@@ -60,14 +61,21 @@ def local_shard_name(rank: int) -> str:
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the path and the problem."""
 
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+    def __init__(self, path: str | os.PathLike[str] | Remote, problem: str) -> None:
         super().__init__(f"Cannot load checkpoint {str(path)!r}: {problem}")
-        self.path = Path(path)
+        self.path = path if isinstance(path, Remote) else Path(path)
         self.problem = problem
 
 
-def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
-    path = location.local_path(path, "path")  # every reader asks first: never a URL taken for a local path
+def readable(path: str | os.PathLike[str] | Remote, argument: str = "path", call: str = "") -> Where:
+    """Where the checkpoint a user named lies, for reading: :func:`.files.locate`, then at a URL the generation its
+    commit record names (:func:`.commit.committed`). Every reader starts here."""
+    return commit.committed(files.locate(path, argument, call))
+
+
+def detect_format(path: str | os.PathLike[str] | Remote) -> CheckpointFormat:
+    """The format of the checkpoint at ``path`` (as :func:`readable` gives it)."""
+    path = files.locate(path, "path")  # every reader asks first: never a URL taken for a local path
     commit.recover(path)
     if path.is_file():
         return "full"
@@ -76,12 +84,15 @@ def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
             return "local"
         if (path / SHARDED_METADATA).is_file():
             return "sharded"
-        if commit.staging_path(path).exists() or path.name.endswith(commit.PARTIAL_SUFFIX):
+        if (not isinstance(path, Remote) and commit.staging_path(path).exists()) or path.name.endswith(
+            commit.PARTIAL_SUFFIX
+        ):
             raise CheckpointError(path, "the save was interrupted; the checkpoint was never committed")
         raise CheckpointError(
             path, f"the directory has neither {LOCAL_METADATA!r} (local) nor {SHARDED_METADATA!r} (sharded)"
         )
-    if commit.staging_path(path).exists():
+    interrupted = commit.generations(path) if isinstance(path, Remote) else [commit.staging_path(path)]
+    if any(p.exists() for p in interrupted):
         raise CheckpointError(path, "the save was interrupted before it was committed; use an earlier checkpoint")
     raise CheckpointError(path, "no such file or directory")
 
@@ -109,7 +120,7 @@ def merge_groups(optimizer: Optimizer, state: Mapping[str, Any]) -> list[dict[st
 def save(
     fmt: CheckpointFormat,
     checkpoint: dict[str, Any],
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Remote,
     *,
     rank: int,
     world_size: int,
@@ -130,10 +141,12 @@ def save(
     :class:`~.streaming.FullStream` the full ``checkpoint`` was built with; in the write step rank 0 receives and
     writes each tensor in turn while the other ranks send their pieces. ``crc32``: the zip archives carry a CRC32
     of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them). ``checksums``: every file
-    is hashed while written and the digests recorded in the checkpoint (see :mod:`.checksum`, :mod:`.integrity`)."""
-    path = Path(path)
+    is hashed while written and the digests recorded in the checkpoint (see :mod:`.checksum`, :mod:`.integrity`). At
+    a URL every rank writes its own objects under a new generation that rank 0's token names (see :mod:`.commit`)."""
+    path = files.locate(path, "path")
     directory = fmt != "full"
-    staging = commit.staging_path(path)
+    token = gather(os.urandom(6).hex() if rank == 0 else None)[0] if isinstance(path, Remote) else ""
+    staging = commit.staging_path(path, token)
     model_state, optimizer_states, rest = _split_state(checkpoint)
 
     def refuse_non_checkpoint_directory() -> None:
@@ -167,6 +180,7 @@ def save(
             gather=gather,
             before=refuse_non_checkpoint_directory,
             recorder=recorder if directory else None,
+            staging=staging,
         )
 
 
@@ -195,16 +209,17 @@ def _size_hint(checkpoint: dict[str, Any]) -> int | None:
         return None
 
 
-def save_file(obj: Any, file: Path, *, trailer: bool = False, expected: int | None = None) -> None:
-    """``torch.save`` through a Python file: a failed write then carries its errno (``ENOSPC``...) and the file is
-    closed at once; with a path, torch's own writer reports only "unexpected pos" and keeps the file open, and its
-    space allocated, for as long as the exception lives. While a save records checksums the file is hashed as it is
-    written; ``trailer``: the file is a checkpoint of its own and carries them (see :mod:`.checksum`)."""
+def save_file(obj: Any, file: Where, *, trailer: bool = False, expected: int | None = None) -> None:
+    """``torch.save`` through a Python file (:func:`.files.open_write`): a failed write then carries its errno
+    (``ENOSPC``...) and the file is closed at once; with a path, torch's own writer reports only "unexpected pos" and
+    keeps the file open, and its space allocated, for as long as the exception lives. While a save records checksums
+    the file is hashed as it is written; ``trailer``: the file is a checkpoint of its own and carries them (see
+    :mod:`.checksum`)."""
     with checksum.open_for_writing(file, trailer=trailer, expected=expected) as handle:
         torch.save(obj, handle)
 
 
-def detect_format_or_none(path: Path) -> CheckpointFormat | None:
+def detect_format_or_none(path: Where) -> CheckpointFormat | None:
     try:
         return detect_format(path)
     except CheckpointError:
@@ -234,7 +249,7 @@ def _dcp_state(checkpoint: dict[str, Any], model_state: dict[str, Any], optimize
 
 def save_sharded(
     checkpoint: dict[str, Any],
-    staging: Path,
+    staging: Where,
     rank: int,
     world_size: int | None,
     no_dist: bool = False,
@@ -245,12 +260,16 @@ def save_sharded(
     other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(checkpoint, model_state, optimizer_states)
+    writer = files.dcp_writer(staging) if isinstance(staging, Remote) else None
     recorder = checksum.active()
-    writer = None
     if recorder is not None:  # DCP may write from threads of its own: the recorder is handed over, not looked up
+        if writer is None:
+            import torch.distributed.checkpoint as dcp
+
+            writer = dcp.FileSystemWriter(str(staging))
         wrap = functools.partial(recorder.wrap, entries=True)  # each entry in blocks of its own
-        writer = torch_internals.dcp_writer_through(os.fspath(staging), wrap, recorder.rename)
-    _compat.dcp_save(state, staging, no_dist=no_dist, process_group=process_group, storage_writer=writer)
+        writer = torch_internals.dcp_writer_through(writer, wrap, recorder.rename)
+    _compat.dcp_save(state, str(staging), no_dist=no_dist, process_group=process_group, storage_writer=writer)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
         extras: dict[str, Any] = {
@@ -265,7 +284,7 @@ def save_sharded(
         save_file(rest, staging / SHARDED_METADATA)
 
 
-def _finish_local(rest: dict[str, Any], staging: Path, world_size: int, meta: Mapping[str, Any]) -> None:
+def _finish_local(rest: dict[str, Any], staging: Where, world_size: int, meta: Mapping[str, Any]) -> None:
     """Rank 0, once every rank wrote its shard: the trainer state, then the marker that makes it a checkpoint."""
     save_file(rest, staging / LOCAL_TRAINER_STATE)
     missing = [r for r in range(world_size) if not (staging / local_shard_name(r)).is_file()]
@@ -302,7 +321,7 @@ def local_engine(meta: Mapping[str, Any]) -> int:
     return meta.get("engine", 1)
 
 
-def read_local_metadata(path: Path) -> dict[str, Any]:
+def read_local_metadata(path: Where) -> dict[str, Any]:
     try:
         return json.loads((path / LOCAL_METADATA).read_text())
     except (OSError, ValueError) as err:

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import xxhash
 
-from lightning_gaudi_fsdp.checkpoint import checksum, commit
+from lightning_gaudi_fsdp.checkpoint import checksum, files
 from lightning_gaudi_fsdp.checkpoint.checksum import Digest
-from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError
+from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, readable
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,13 @@ class CheckpointIntegrityError(CheckpointError):
 
 
 # ------------------------------------------------------------------------------------------------------- manifest
-def _read_manifest(path: Path) -> dict[str, Digest] | None:
+def _read_manifest(path: Where) -> dict[str, Digest] | None:
     file = path / MANIFEST
     if not file.is_file():
         return None
     try:
-        data = json.loads(file.read_bytes())
+        with files.open_read(file) as handle:
+            data = json.loads(handle.read())
         if data.get("algorithm") != checksum.ALGORITHM:
             raise ValueError(f"algorithm {data.get('algorithm')!r}, this release checks {checksum.ALGORITHM!r}")
         return {name: Digest.from_json(entry) for name, entry in data["files"].items()}
@@ -69,13 +71,13 @@ class _Unit:
     hashed (a trailer's own comment is not), ``trailer``: the digests were read from the file itself."""
 
     name: str
-    file: Path
+    file: Where
     digest: Digest
     covered: int
     trailer: bool
 
 
-def _units(path: Path) -> list[_Unit] | None:
+def _units(path: Where) -> list[_Unit] | None:
     """What to verify in the checkpoint at ``path`` (file or directory); None: it carries no checksums."""
     if path.is_file():
         try:
@@ -93,20 +95,19 @@ def _units(path: Path) -> list[_Unit] | None:
     return [_Unit(name, path / name, digest, digest.size, False) for name, digest in sorted(files.items())]
 
 
-def carries_checksums(path: str | os.PathLike[str]) -> bool:
+def carries_checksums(path: str | os.PathLike[str] | Where) -> bool:
     try:
-        return _units(Path(path)) is not None
+        return _units(readable(path)) is not None
     except CheckpointIntegrityError:
         return True
 
 
 # ------------------------------------------------------------------------------------------------------ verifying
-def verify(path: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1, earlier: bool = True) -> bool:
+def verify(path: str | os.PathLike[str] | Where, *, rank: int = 0, world_size: int = 1, earlier: bool = True) -> bool:
     """Check ``path`` against its recorded checksums: this rank's part of it (see the module's docstring). Returns
     False when it carries none; raises :class:`CheckpointIntegrityError` on the first damage in this rank's part
     (with ``earlier``: naming the newest earlier checkpoint beside it that verifies)."""
-    path = Path(path)
-    commit.recover(path)
+    path = readable(path)
     try:
         units = _units(path)
         if units is None:
@@ -120,7 +121,7 @@ def verify(path: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1, 
     return True
 
 
-def verify_offline(path: str | os.PathLike[str], notes: list[str] | None = None) -> bool:
+def verify_offline(path: str | os.PathLike[str] | Where, notes: list[str] | None = None) -> bool:
     """:func:`verify` in one process, for the offline tools (``inspect``, ``convert``, ``export_hf``): raises on
     damage; a checkpoint without checksums adds the "not verified" line to ``notes`` (else logs it)."""
     if verify(path):
@@ -152,18 +153,18 @@ def _share(units: list[_Unit], rank: int, world_size: int) -> Iterator[tuple[_Un
         offset += unit.covered
 
 
-def _check_unit(path: Path, unit: _Unit, blocks: list[tuple[int, int, int]], owns_start: bool) -> None:
+def _check_unit(path: Where, unit: _Unit, blocks: list[tuple[int, int, int]], owns_start: bool) -> None:
     def fail(problem: str) -> CheckpointIntegrityError:
         return CheckpointIntegrityError(path, f"checksum verification failed: file {unit.name!r} {problem}", unit.name)
 
     if not unit.file.is_file():
         raise fail("is missing")
-    size = unit.file.stat().st_size
+    size = files.size(unit.file)
     expected = unit.digest.size if not unit.trailer else size  # a trailer's own length was checked when read
     if size != expected:  # every rank with a part of it says so (it cannot read its part as written)
         shorter = "is truncated: " if size < expected else "has another size: "
         raise fail(f"{shorter}expected {expected} bytes, found {size}")
-    with open(unit.file, "rb") as handle:
+    with files.open_read(unit.file) as handle:
         for index, start, end in blocks:
             handle.seek(start)
             data = handle.read(end - start)
@@ -179,10 +180,12 @@ def _check_unit(path: Path, unit: _Unit, blocks: list[tuple[int, int, int]], own
                 )
 
 
-def _entry_at(path: str | os.PathLike[str], unit: _Unit, start: int, end: int) -> str:
+def _entry_at(path: Where, unit: _Unit, start: int, end: int) -> str:
     """The entries of ``unit`` in bytes ``start`` to ``end``, in words ("entry 'model.w' "), or "" if unknown."""
     names: list[str] = []
     try:
+        if isinstance(path, Remote):
+            return ""
         if unit.name.endswith(".distcp"):
             from torch.distributed.checkpoint import FileSystemReader
 
@@ -207,7 +210,9 @@ def _entry_at(path: str | os.PathLike[str], unit: _Unit, start: int, end: int) -
 
 
 # ------------------------------------------------------------------------------------------- an earlier checkpoint
-def _earlier_note(path: Path) -> str:
+def _earlier_note(path: Where) -> str:
+    if isinstance(path, Remote):
+        return "; nothing was loaded (earlier checkpoints at a URL are not searched)"
     found = newest_earlier_verified(path)
     if found is None:
         return f". No earlier checkpoint with checksums in {str(path.parent)!r} verifies; nothing was loaded"

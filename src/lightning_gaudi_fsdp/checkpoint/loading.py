@@ -17,7 +17,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_gaudi_fsdp.checkpoint import fast_load, integrity
+from lightning_gaudi_fsdp.checkpoint import fast_load, files, integrity
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -30,6 +30,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_shard_name,
     merge_groups,
     read_local_metadata,
+    readable,
 )
 from lightning_gaudi_fsdp.checkpoint.space import human_bytes
 from lightning_gaudi_fsdp.checkpoint.trust import (
@@ -189,7 +190,7 @@ def check_load(
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
-    path = Path(path)
+    path = readable(path)
     fmt = detect_format(path)
     if fmt in ("sharded", "local"):
         current = engine.current_state(model, fmt, device_type)
@@ -260,7 +261,7 @@ def read_full_model_state(path: str | os.PathLike[str], *, weights_only: bool = 
     state-dict file: what an unsharded model loads."""
     from lightning_gaudi_fsdp.checkpoint.convert import load_full_state
 
-    path = Path(path)
+    path = readable(path)
     if detect_format(path) == "full":
         return split_model_state(path, load_file(path, path, "the checkpoint file", weights_only=weights_only), True)[0]
     return load_full_state(path, weights_only=weights_only)[0]["state_dict"]
@@ -269,7 +270,7 @@ def read_full_model_state(path: str | os.PathLike[str], *, weights_only: bool = 
 def read_full_optimizer_state(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
     """The optimizer state of a single file: the one optimizer of a full Lightning checkpoint, or a plain
     ``optimizer.state_dict()`` (keyed by parameter id, or by name as FSDP writes it)."""
-    path = Path(path)
+    path = readable(path)
     if detect_format(path) != "full":
         raise CheckpointError(
             path,
@@ -319,8 +320,7 @@ def restore_note(pending: PendingLoad, seconds: float, world_size: int) -> str |
     if seconds < RESTORE_NOTE_AFTER_S:
         return None
     path = pending.path
-    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
-    size = sum(f.stat().st_size for f in files)
+    size = files.size(path)
     return (
         f"lightning_gaudi_fsdp: restored the {pending.fmt} checkpoint {str(path)!r} ({human_bytes(size)} on disk, "
         f"read by {world_size} rank(s)) in {seconds:.1f} s: {human_bytes(int(size / max(seconds, 1e-3)))}/s"

@@ -1,9 +1,9 @@
-"""Where a checkpoint may be: a local or mounted file system, never a URL taken for a local path.
+"""Where a checkpoint may be: a local path, or a URL (see :mod:`.files`), never a URL taken for a local path.
 
-Every place a user hands the package a checkpoint location (the doors' save and load, ``fit(ckpt_path=...)``, the
-folders of ``ModelCheckpoint``, ``pretrained_weights``, ``inspect``, ``convert``, ``export_hf``) turns it into a
-path with :func:`local_path`. A ``file://`` (or fsspec's ``local://``) URL becomes the path it names. Any other URL
-(``s3://``, ``gs://``, ``hf://``, ``memory://``, a chain such as ``simplecache::s3://``) is refused with
+Every place a user hands the package a checkpoint location turns it into a :data:`.files.Where` with
+:func:`.files.locate`, which takes ``protocol://...`` URLs an fsspec file system opens, and gives the rest to
+:func:`local_path` (also used directly where a URL is not taken yet: ``pretrained_weights``, ``export_hf``). A
+``file://`` (or fsspec's ``local://``) URL becomes the path it names. Any other URL is refused there with
 :class:`CheckpointURLError`, before anything is read or written: ``pathlib.Path("s3://ckpt/x.ckpt")`` is the relative
 path ``s3:/ckpt/x.ckpt``, and a save there would write a folder named ``s3:`` under the working directory and report
 success. The same error refuses a path in which such a URL was already flattened (a folder named after a protocol,
@@ -18,17 +18,18 @@ import os
 import re
 from pathlib import Path, PurePath
 
-_LOCAL = ("file", "local")  # fsspec's names of the local file system
+LOCAL = ("file", "local")  # fsspec's names of the local file system
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-_]*")
-_ADVICE = (
-    "checkpoints on object storage (or at any URL but file://) are not supported by GaudiFSDPStrategy yet, and nothing "
-    "was read or written. Pass a local path, or the path where the bucket is mounted as a file system (a FUSE mount "
-    'such as s3fs-fuse or gcsfuse); see docs/checkpoints.md, "Where checkpoints go"'
+ADVICE = (
+    "this argument takes a local path or a URL of the form protocol://bucket/path that an installed fsspec file system "
+    "opens (s3:// with lightning-gaudi-fsdp[s3]), and nothing was read or written; see docs/checkpoints.md, "
+    '"Checkpoints on object storage"'
 )
 
 
 class CheckpointURLError(ValueError):
-    """A URL (other than ``file://``) where a checkpoint location is expected: object storage is not supported."""
+    """A checkpoint location that cannot be honoured: a URL where this argument takes none, a URL no installed fsspec
+    file system opens (a chain such as ``simplecache::s3://``, an unknown protocol), or a flattened URL."""
 
 
 @functools.cache
@@ -67,16 +68,16 @@ def local_path(location: str | os.PathLike[str], argument: str, call: str = "") 
     shown = f"{call}: " if call else ""
     protocol = url_protocol(location)
     text = os.fspath(location)
-    if protocol in _LOCAL and text.startswith(f"{protocol}://"):
+    if protocol in LOCAL and text.startswith(f"{protocol}://"):
         text = text[len(protocol) + 3 :]
     elif protocol is not None:
         scheme = f"{protocol}://" if text.startswith(f"{protocol}://") else f"{protocol}::"
-        raise CheckpointURLError(f"{shown}{argument}={text!r} is a URL ({scheme!r}): {_ADVICE}")
+        raise CheckpointURLError(f"{shown}{argument}={text!r} is a URL ({scheme!r}): {ADVICE}")
     folder = _flattened(text)
     if folder is not None:
         raise CheckpointURLError(
             f"{shown}{argument}={text!r} has a folder named {folder!r}: a {folder[:-1] + '://'!r} URL flattened into a "
             "local path (pathlib.Path('s3://b/x') is 's3:/b/x'; Lightning's ModelCheckpoint turns dirpath='file:///x' "
-            f"into a folder 'file:' under the working directory): {_ADVICE}"
+            f"into a folder 'file:' under the working directory): {ADVICE}"
         )
     return Path(text)

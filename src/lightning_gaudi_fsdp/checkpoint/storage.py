@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import checksum, commit, location, space
-from lightning_gaudi_fsdp.checkpoint.space import Plan, human_bytes, needed_together, same_file_system
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, space
+from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
+from lightning_gaudi_fsdp.checkpoint.space import Plan, Target, human_bytes, needed_together, same_file_system
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
-def save_error_message(path: Path, failures: Sequence[Failure], world_size: int | None = None) -> str:
+def save_error_message(path: Where, failures: Sequence[Failure], world_size: int | None = None) -> str:
     """One message for every rank: each cause once, with the ranks it hit (none named when one process saved)."""
     groups: dict[tuple[str, str], list[Failure]] = {}
     for failure in sorted(failures, key=lambda f: f.rank):
@@ -108,10 +109,11 @@ class CheckpointSaveError(OSError):
     rank whose own write failed, that exception is chained."""
 
     def __init__(
-        self, path: str | os.PathLike[str], failures: Sequence[Failure], world_size: int | None = None
+        self, path: str | os.PathLike[str] | Remote, failures: Sequence[Failure], world_size: int | None = None
     ) -> None:
-        super().__init__(save_error_message(Path(path), failures, world_size))
-        self.path = Path(path)
+        where = path if isinstance(path, Remote) else Path(path)
+        super().__init__(save_error_message(where, failures, world_size))
+        self.path = where
         self.failures = list(failures)
         self.world_size = world_size
 
@@ -170,10 +172,13 @@ def merge_reports(reports: Sequence[Sequence[Failure]]) -> list[Failure]:
 
 
 # ------------------------------------------------------------------------------------------------ the protocol
+_NO_TARGET = Target("", 0, 0, "", 0)  # a URL's: no free space to compare with
+
+
 class _Attempt:
-    def __init__(self, path: Path, *, directory: bool, rank: int, gather: Gather) -> None:
+    def __init__(self, path: Where, *, directory: bool, rank: int, gather: Gather, staging: Where | None) -> None:
         self.path = path
-        self.staging = commit.staging_path(path)
+        self.staging = staging if staging is not None else commit.staging_path(path)
         self.directory = directory
         self.rank = rank
         self.gather = gather
@@ -185,7 +190,9 @@ class _Attempt:
             if self.rank == 0:
                 if before is not None:
                     before()
-                commit.prepare_staging(self.path, self.directory)
+                commit.prepare_staging(self.path, self.directory, self.staging)
+            if isinstance(self.path, Remote):
+                return Plan(self.rank, _NO_TARGET, None, False)
             return Plan(self.rank, space.probe(self.path.parent), self.estimate(needed, check), check)
 
         self.plans = self.step("failed while preparing", plan)
@@ -247,6 +254,8 @@ class _Attempt:
         return Failure(rank, stage, cause, first_line(shown), advice or "see the error chained on the failed rank")
 
     def _cause(self, error: BaseException, staging_made: bool) -> tuple[str, str]:
+        if isinstance(self.path, Remote):  # the store's own message (bucket, credentials, network) is the cause
+            return "", f"check that {self.path.url!r} is reachable and writable with these credentials"
         own = next((p for p in self.plans if p.rank == self.rank), None)
         where = self.staging if self.directory else self.path.parent
         mount = own.target.mount if own else str(space.mount_point(where))
@@ -324,8 +333,9 @@ def write_atomically(
     rank: int = 0,
     gather: Gather = _alone,
     before: Callable[[], None] | None = None,
+    staging: Where | None = None,
     recorder: checksum.Recorder | None = None,
-) -> Path:
+) -> Where:
     """Save to ``path`` through its staging location; every rank calls this with its own ``writes`` (run in order,
     the ranks agreeing after each) and ``needed``, which estimates the bytes those writes take. ``gather`` is an
     all-gather of Python objects (one process: the default). ``before`` runs on rank 0 before the staging location
@@ -334,17 +344,20 @@ def write_atomically(
     Raises :class:`CheckpointSaveError` on every rank if any rank's step failed, or before any write if free space
     is short (unless the check is off, see :func:`check_free_space_enabled`). Where ``needed`` raises, that rank logs
     the warning "the free-space check before saving PATH did not run: ..." and the file system it writes to is not
-    checked; the save goes on (and reports what it cannot write, if anything). ``recorder``: the checksums of what
-    this rank wrote into the staging directory; rank 0 writes every rank's into its manifest before the commit."""
-    path = location.local_path(path, "path")  # every writer saves through here: never a URL taken for a local path
-    attempt = _Attempt(path, directory=directory, rank=rank, gather=gather)
+    checked; the save goes on (and reports what it cannot write, if anything). ``staging``: where the writes go
+    (:func:`.commit.staging_path`; required for a URL, whose generation every rank must agree on). At a URL there is
+    no free-space check; the commit writes the commit record (see :mod:`.commit`). ``recorder``: the checksums of
+    what this rank wrote into the staging directory; rank 0 writes every rank's into its manifest before the
+    commit."""
+    path = files.locate(path, "path")  # every writer saves through here: never a URL taken for a local path
+    attempt = _Attempt(path, directory=directory, rank=rank, gather=gather, staging=staging)
     attempt.prepare(before, needed, space.check_free_space_enabled(check_free_space))
     for write in writes:
         attempt.step("failed while writing", write)
     digests: dict[str, checksum.Digest] = {}
     if recorder is not None:
-        for files in attempt.step("failed while writing", lambda: dict(recorder.files)):
-            digests.update(files)
+        for recorded in attempt.step("failed while writing", lambda: dict(recorder.files)):
+            digests.update(recorded)
 
     def finish() -> None:
         if rank == 0:

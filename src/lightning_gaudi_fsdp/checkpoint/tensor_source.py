@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
-from lightning_gaudi_fsdp.checkpoint import location
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     CheckpointError,
@@ -25,6 +24,7 @@ from lightning_gaudi_fsdp.checkpoint.formats import (
     local_engine,
     local_shard_name,
     read_local_metadata,
+    readable,
 )
 from lightning_gaudi_fsdp.checkpoint.layout import join_rank_slices, unflatten
 from lightning_gaudi_fsdp.checkpoint.trust import load_file, read_distributed, storage_reader
@@ -100,7 +100,7 @@ def open_source(path: str | os.PathLike[str], *, weights_only: bool = True) -> T
     """Open a full, sharded or local checkpoint (either engine, any writer world size) for :meth:`TensorSource.read`.
 
     ``weights_only``: unpickle safely (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted."""
-    path = location.local_path(path, "path")
+    path = readable(path)
     fmt = detect_format(path)
     if fmt == "full":
         from lightning_gaudi_fsdp.checkpoint.loading import split_model_state

@@ -36,6 +36,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_gaudi_fsdp.adapters import torch_internals
+from lightning_gaudi_fsdp.checkpoint import files
+from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
 from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError
 
 TRUST_HINT = (
@@ -107,24 +109,33 @@ def _allowed() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------- torch.save files
-def load_file(file: Path, where: Path, what: str, *, weights_only: bool = True) -> Any:
-    """``torch.load`` of one file of the checkpoint at ``where`` (memory-mapped, on the CPU); ``what`` names the file's
-    role in messages. Raises :class:`CheckpointError` when it is missing or damaged, :class:`UnsafeCheckpointError`
-    when it needs more than safe loading."""
+def load_file(file: Where, where: Where, what: str, *, weights_only: bool = True) -> Any:
+    """``torch.load`` of one file of the checkpoint at ``where`` (memory-mapped, on the CPU; at a URL read through
+    :func:`.files.open_read`, not mapped); ``what`` names the file's role in messages. Raises :class:`CheckpointError`
+    when it is missing or damaged, :class:`UnsafeCheckpointError` when it needs more than safe loading."""
     if not file.is_file():
         raise CheckpointError(where, f"{what} is missing ({file.name})")
+    if isinstance(file, Remote):
+        with files.open_read(file) as handle:
+            return _load(handle, where, what, file.name, weights_only, mmap=False)
+    return _load(file, where, what, file.name, weights_only, mmap=True)
+
+
+def _load(source: Any, where: Where, what: str, name: str, weights_only: bool, mmap: bool) -> Any:
     try:
         if not weights_only:
-            return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
         with _allowed():
             try:
-                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
             except pickle.UnpicklingError as err:
-                raise UnsafeCheckpointError(where, what, file.name, _blocked(file), _detail(err)) from None
+                if not isinstance(source, Path):
+                    source.seek(0)
+                raise UnsafeCheckpointError(where, what, name, _blocked(source), _detail(err)) from None
     except CheckpointError:
         raise
     except Exception as err:
-        raise CheckpointError(where, f"{what} ({file.name}) is damaged or truncated: {err}") from err
+        raise CheckpointError(where, f"{what} ({name}) is damaged or truncated: {err}") from err
 
 
 def _blocked(file: IO[bytes] | Path) -> list[str]:
@@ -152,11 +163,15 @@ def _check_bytes(data: io.BytesIO, where: Path, what: str, file: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ distributed checkpoint
-def storage_reader(path: Path, *, weights_only: bool = True) -> FileSystemReader:
+def storage_reader(path: Where, *, weights_only: bool = True) -> FileSystemReader:
     """torch's reader of a distributed checkpoint; with ``weights_only``, one that unpickles nothing unsafe. It reads
     the metadata file once: a reader kept for many reads (a checkpoint read a tensor at a time) does not unpickle
-    it again for each (several MB for a large model)."""
-    return _SafeFileSystemReader(path) if weights_only else _OnceFileSystemReader(path)
+    it again for each (several MB for a large model). At a URL it reads through fsspec
+    (:func:`.files.dcp_reader_on`)."""
+    kind = _SafeFileSystemReader if weights_only else _OnceFileSystemReader
+    if isinstance(path, Remote):
+        return files.dcp_reader_on(kind(path.key), path)
+    return kind(path)
 
 
 class _OnceFileSystemReader(FileSystemReader):
