@@ -192,7 +192,7 @@ def _entry_at(path: Where, unit: _Unit, start: int, end: int) -> str:
             metadata = FileSystemReader(str(path)).read_metadata()
             for key, info in metadata.storage_data.items():
                 if info.relative_path == unit.name and info.offset < end and start < info.offset + info.length:
-                    names.append(key.fqn if key.index is None else f"{key.fqn} (piece at {tuple(key.offset)})")
+                    names.append(f"{key.fqn} (from {tuple(key.offset)})" if any(key.offset) else key.fqn)
         else:
             with zipfile.ZipFile(unit.file) as archive:
                 for record in archive.infolist():
