@@ -164,6 +164,7 @@ class PendingLoad:
     weights_only: bool = True
     optimizer_groups: list[Any] = field(default_factory=list)  # hyper-parameters kept beside sharded state
     dcp_reader: Any = None  # sharded: the reader that read the metadata, kept for the data (read once)
+    verified: bool | None = None  # its checksums verified (False: it has none; None: not checked)
 
 
 def check_load(
@@ -186,7 +187,7 @@ def check_load(
     a plain model state dict (``torch.save(model.state_dict())``), not only a Lightning checkpoint. ``hints``: where
     the model and optimizers are in a checkpoint of Lightning's own Fabric (see :func:`.views.internal_view`).
     ``verify``: first check this rank's part of the checkpoint's checksums (:func:`.integrity.verify`), raising
-    :class:`~.integrity.CheckpointIntegrityError`; a checkpoint without them is loaded with one warning on rank 0.
+    :class:`~.integrity.CheckpointIntegrityError`; whether it had any is in the result's ``verified``.
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
@@ -194,22 +195,28 @@ def check_load(
     fmt = detect_format(path)
     if fmt in ("sharded", "local"):
         current = engine.current_state(model, fmt, device_type)
-    if verify:
-        verify_share(path, rank, world_size)
+    verified = verify_share(path, rank, world_size) if verify else None
     if fmt == "full":
         checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
         state, checkpoint = split_model_state(path, checkpoint, raw, hints)
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         check_state_keys(path, saved, engine.expected_full_shapes(model), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
-        return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only)
+        return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only, verified=verified)
     if fmt == "sharded":
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         rest = internal_view(rest, path)
         reader = storage_reader(path, weights_only=weights_only)
         metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints, reader)
         return PendingLoad(
-            fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only, dcp_reader=reader
+            fmt,
+            path,
+            rest,
+            current,
+            dcp_metadata=metadata,
+            weights_only=weights_only,
+            dcp_reader=reader,
+            verified=verified,
         )
     check_local(path, model, engine, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
@@ -227,14 +234,15 @@ def check_load(
             raise CheckpointError(
                 path, f"the shard of rank {rank} holds {saved.numel()} elements of {key!r}; this rank holds {held}"
             )
-    return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
+    return PendingLoad(
+        fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only, verified=verified
+    )
 
 
-def verify_share(path: Path, rank: int, world_size: int) -> None:
-    """This rank's part of :func:`.integrity.verify`; on rank 0, the one line saying a checkpoint without checksums
-    is loaded unverified."""
-    if not integrity.verify(path, rank=rank, world_size=world_size) and rank == 0:
-        log.warning(integrity.NOT_VERIFIED.format(path=str(path)))
+def verify_share(path: Any, rank: int, world_size: int) -> bool:
+    """This rank's part of :func:`.integrity.verify`: False for a checkpoint without checksums (the caller says, in
+    one line, that it is loaded unverified: :data:`.integrity.NOT_VERIFIED`)."""
+    return integrity.verify(path, rank=rank, world_size=world_size)
 
 
 def _local_numel(value: Any) -> int:
