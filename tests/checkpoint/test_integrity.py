@@ -122,3 +122,19 @@ def test_convert_verifies_its_source_and_its_output_carries_checksums(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="file 'meta.pt' is truncated: expected"):
         convert(src, tmp_path / "again", "sharded")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_checkpoint_at_a_url_carries_checksums_and_damage_there_is_refused(s3, fmt):
+    """Written through the storage seam to the S3 server: hashed on the way into the upload, verified on the way out;
+    one byte changed in the stored object is refused, naming the file."""
+    url = f"{s3.url('integrity')}/{fmt}.ckpt"
+    _save(fmt, url)
+    assert integrity.verify(url)
+    data = formats.readable(url)
+    victim = data if fmt == "full" else data / "__0_0.distcp"
+    body = bytearray(victim.read_bytes())
+    body[len(body) // 2] ^= 1
+    victim.write_bytes(bytes(body))
+    with pytest.raises(CheckpointIntegrityError, match=rf"checksum verification failed: file '{victim.name}'"):
+        integrity.verify(url)

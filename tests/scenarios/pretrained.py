@@ -6,6 +6,7 @@ Usage: python pretrained.py CONFIG.json (ranks started by the scenario pool, tor
 "validate"), ``then_validate`` (Trainer: fresh validate runs after fit, without and with ``ckpt_path``, and from the
 fit's checkpoint as ``pretrained_weights``), ``peft`` (LoRA on q/v), ``mmap_threshold`` (glibc's, for memory
 measurements), ``gather`` (False: no full state dicts), ``strategy`` (more strategy arguments), ``reference``,
+``config`` (where config.json is, when ``weights`` is a URL),
 ``expect_error``.
 
 Rank 0 writes ``final.pt``: the file's tensors as loaded (gathered full state dict before training), the weights
@@ -36,7 +37,7 @@ def tokens(cfg: dict[str, Any], vocab: int) -> torch.Tensor:
 
 
 def build(cfg: dict[str, Any]) -> torch.nn.Module:
-    config = transformers.LlamaConfig.from_pretrained(cfg["weights"])
+    config = transformers.LlamaConfig.from_pretrained(cfg.get("config", cfg["weights"]))
     model: torch.nn.Module = transformers.LlamaForCausalLM(config)
     if cfg.get("peft"):
         import peft
@@ -60,7 +61,7 @@ def held(strategy: Any, model: torch.nn.Module) -> int:
 
 
 def rotary_ok(model: torch.nn.Module, cfg: dict[str, Any]) -> bool:
-    config = transformers.LlamaConfig.from_pretrained(cfg["weights"])
+    config = transformers.LlamaConfig.from_pretrained(cfg.get("config", cfg["weights"]))
     expected = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config).inv_freq
     found = [b for n, b in model.named_buffers() if n.endswith("rotary_emb.inv_freq")]
     return bool(found) and all(torch.equal(b, expected) for b in found)
@@ -119,7 +120,7 @@ class FineTune(L.LightningModule):
     val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
     def _vocab(self) -> int:
-        return transformers.LlamaConfig.from_pretrained(self.cfg["weights"]).vocab_size
+        return transformers.LlamaConfig.from_pretrained(self.cfg.get("config", self.cfg["weights"])).vocab_size
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
@@ -228,7 +229,7 @@ def run_fabric(cfg: dict[str, Any], out: Path) -> None:
     info.update(held=held(fabric.strategy, model), rotary_ok=rotary_ok(model, cfg))
     loaded = loaded_state(cfg, model._forward_module, rank, "") if cfg.get("gather", True) else {}
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
-    for batch in tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg["weights"]).vocab_size):
+    for batch in tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg.get("config", cfg["weights"])).vocab_size):
         mine = batch[rank::world]
         loss = model(input_ids=mine, labels=mine, use_cache=False).loss
         fabric.backward(loss)
@@ -251,7 +252,7 @@ def finish(
 ) -> None:
     info.update(rank=rank, peak_added=sampler.peak - sampler.base)
     if rank == 0:
-        data = tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg["weights"]).vocab_size)
+        data = tokens(cfg, transformers.LlamaConfig.from_pretrained(cfg.get("config", cfg["weights"])).vocab_size)
         ref = reference(cfg, data) if cfg.get("reference", True) and not cfg.get("peft") else None
         torch.save({"loaded": loaded, "final": final, "reference": ref}, out / "final.pt")
     write_json(out, f"rank{rank}.json", info)

@@ -369,6 +369,47 @@ def arm_kill_on_save(rank: int, nth: int, out: Path) -> None:
     FullStream.write = counting_stream_write  # type: ignore[method-assign]
 
 
+def arm_kill_mid_upload(rank: int, nth: int, out: Path) -> None:
+    """On ``rank``, the ``nth`` object a save uploads (to a URL, through the storage seam) gets half its bytes sent
+    (a multipart upload under way), then the process SIGKILLs itself."""
+    from lightning_gaudi_fsdp.checkpoint import files
+
+    if env_rank() != rank:
+        return
+    calls = {"n": 0}
+    real_open_write = files.open_write
+
+    class HalfThenDie:
+        def __init__(self, handle: Any) -> None:
+            self.handle = handle
+
+        def write(self, data: Any) -> int:
+            view = memoryview(data).cast("B")
+            self.handle.write(view[: max(len(view) // 2, 1)])
+            self.handle.flush()
+            die(out)
+            return 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.handle, name)
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.handle.close()
+
+    def counting_open_write(where: Any) -> Any:
+        handle = real_open_write(where)
+        if files.is_remote(where):
+            calls["n"] += 1
+            if calls["n"] == nth:
+                return HalfThenDie(handle)
+        return handle
+
+    files.open_write = counting_open_write
+
+
 # the last finished training step, and whether training ended, for probes that run in the background
 _NOW: dict[str, Any] = {"step": 0, "ended": False}
 
@@ -659,6 +700,8 @@ def main() -> None:
         kill_launcher_after_spawn(out)
     if cfg.get("kill_on_save"):
         arm_kill_on_save(**cfg["kill_on_save"], out=out)
+    if cfg.get("kill_mid_upload"):
+        arm_kill_mid_upload(**cfg["kill_mid_upload"], out=out)
     kill_at = KillAt(**cfg["kill_at"], out=out) if cfg.get("kill_at") else None
     if cfg.get("slow_copies"):
         arm_slow_copies(cfg["slow_copies"])

@@ -9,6 +9,7 @@ Each function names the fact it gives; ``tests/test_adapters.py`` checks every p
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 from collections.abc import Callable, Sequence
@@ -314,13 +315,18 @@ def is_checkpoint_wrapper(module: Module) -> bool:
     return isinstance(module, CheckpointWrapper)
 
 
-def fsspec_dcp_writer(url: str) -> Any:
-    """torch's distributed-checkpoint writer into the folder at an fsspec ``url`` (``FsspecWriter``, from the private
-    ``_fsspec_filesystem`` on every supported torch). No fsync: an object store has none, and torch's fallback for a
-    stream without a file descriptor is ``os.sync()`` of the whole host."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+def dcp_writer(path: str, url: bool, open_stream: Callable[[Any, str], Any]) -> Any:
+    """torch's distributed-checkpoint writer into the folder at ``path``: ``FileSystemWriter``, or for an fsspec
+    ``url`` ``FsspecWriter`` (from the private ``_fsspec_filesystem`` on every supported torch), without fsync (an
+    object store has none, and torch's fallback for a stream without a file descriptor is ``os.sync()`` of the whole
+    host). Every file it writes is opened by ``open_stream(path, mode)`` (see :func:`route_dcp_streams`)."""
+    import torch.distributed.checkpoint as dcp
 
-    return FsspecWriter(url, sync_files=False)
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return route_dcp_streams(FsspecWriter(path, sync_files=False), open_stream)
+    return route_dcp_streams(dcp.FileSystemWriter(path), open_stream)
 
 
 def read_through_fsspec(reader: Any, url: str) -> Any:
@@ -331,3 +337,26 @@ def read_through_fsspec(reader: Any, url: str) -> Any:
     reader.fs = FileSystem()
     reader.path = reader.fs.init_path(url)
     return reader
+
+
+def route_dcp_streams(storage: Any, open_stream: Callable[[Any, str], Any]) -> Any:
+    """Have torch's DCP reader or writer ``storage`` open each of its files with ``open_stream(path, mode)`` (a
+    context manager giving a binary file): its file system's ``create_stream`` (torch's ``FileSystemBase`` shape,
+    the same on every supported torch) is replaced; the rest of the file system (folders, renames) is torch's."""
+    storage.fs.__class__ = _routed(type(storage.fs))
+    storage.fs._lgf_open_stream = open_stream
+    return storage
+
+
+@functools.cache
+def _routed(base: type) -> type:
+    import contextlib
+
+    class Routed(base):  # type: ignore[misc, valid-type]
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            with self._lgf_open_stream(path, mode) as stream:
+                yield stream
+
+    Routed.__name__ = Routed.__qualname__ = f"Routed{base.__name__}"
+    return Routed

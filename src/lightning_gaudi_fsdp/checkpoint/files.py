@@ -14,11 +14,14 @@ The API (small and stable; other modules, such as checksums, wrap it rather than
 - :func:`open_read` / :func:`open_write`: binary file objects (local: the builtin ``open``, today's code path);
   :func:`exists`, :func:`is_file`, :func:`is_dir`, :func:`listdir` (names), :func:`size`, :func:`remove` (a file or a
   whole tree, nothing if absent), :func:`is_remote`.
-- :func:`dcp_writer` / :func:`dcp_reader_on`: torch's distributed-checkpoint storage for a :class:`Remote` (torch's
-  fsspec writer and reader, through :mod:`.adapters.torch_internals`); local folders keep torch's file-system ones.
+- :func:`dcp_writer` / :func:`dcp_reader_on`: torch's distributed-checkpoint writer and reader (its file-system ones
+  for a ``Path``, its fsspec ones for a :class:`Remote`, through :mod:`.adapters.torch_internals`), whose every file is
+  opened by :func:`dcp_stream`, that is by :func:`open_read` / :func:`open_write`. So wrapping those two functions
+  (checksums, say) covers every file of every format, DCP's included.
 
-Speed-critical local paths stay as they were: the streamed full save (``pwrite`` into one local file) and the fast
-sharded load (direct reads) check :func:`is_remote` and take their local route for a ``Path``. Credentials and the
+Speed-critical local paths stay as they were: for a ``Path`` the streamed full save keeps its in-place ``pwrite``
+route (it checks :func:`is_remote`), and the fast sharded load and every other reader open the file with the builtin
+``open`` as before (memory-mapped loads stay memory-mapped). Credentials and the
 endpoint come the standard way (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, profiles: s3fs reads them). s3fs is
 imported only when an ``s3://`` URL is used; without it the error names ``pip install lightning-gaudi-fsdp[s3]``.
 """
@@ -123,9 +126,20 @@ class Remote:
 
     def write_bytes(self, data: bytes) -> None:
         self.fs.pipe_file(self.key, data)
+        _forget_listings(self)
 
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
+
+
+def _forget_listings(where: Remote) -> None:
+    """fsspec's default client of ``where``'s protocol, the one Lightning's ``ModelCheckpoint`` uses, caches folder
+    listings; after a commit or a removal it forgets the folder's, or it would answer ``exists`` from before it (and
+    ``ModelCheckpoint`` would write ``ckpt.ckpt`` again where a local folder gets ``ckpt-v1.ckpt``)."""
+    import fsspec
+
+    with contextlib.suppress(Exception):
+        fsspec.filesystem(where.protocol).invalidate_cache(where.parent.key)
 
 
 Where = Union[Path, Remote]  # noqa: UP007 - a runtime alias
@@ -182,8 +196,8 @@ def open_read(where: Where, buffering: int = -1) -> IO[bytes]:
 
 
 def open_write(where: Where) -> IO[bytes]:
-    """A new binary file at ``where`` (replaced if present); on a URL it is visible once closed (S3: a multipart
-    upload, several parts in flight, completed on close)."""
+    """A new binary file at ``where`` (replaced if present); on a URL it is visible once closed (S3: s3fs's multipart
+    upload, one part of its block size at a time, completed on close)."""
     if isinstance(where, Remote):
         return where.fs.open(where.key, "wb")
     return open(where, "wb")  # noqa: SIM115 - the caller closes it
@@ -226,7 +240,7 @@ def remove(where: Where) -> None:
     if isinstance(where, Remote):
         with contextlib.suppress(FileNotFoundError):
             where.fs.rm(where.key, recursive=True)
-        where.fs.invalidate_cache(where.parent.key)
+        _forget_listings(where)
         return
     import shutil
 
@@ -236,18 +250,29 @@ def remove(where: Where) -> None:
         where.unlink()
 
 
-def dcp_writer(where: Remote) -> Any:
-    """torch's distributed-checkpoint writer into the folder at ``where``."""
+def dcp_stream(path: str | os.PathLike[str], mode: str) -> IO[bytes]:
+    """A file of a distributed checkpoint, opened for torch's DCP reader or writer (``path``: the local path or URL
+    it names, ``mode`` ``"rb"`` or ``"wb"``): through :func:`open_read` / :func:`open_write` like every other file."""
+    where = path if isinstance(path, Path) else locate(path, "path")
+    return open_write(where) if "w" in mode else open_read(where)
+
+
+def dcp_writer(where: Where) -> Any:
+    """torch's distributed-checkpoint writer into the folder at ``where``; every file it writes goes through
+    :func:`dcp_stream`."""
     from lightning_gaudi_fsdp.adapters import torch_internals
 
-    return torch_internals.fsspec_dcp_writer(where.url)
+    return torch_internals.dcp_writer(str(where), isinstance(where, Remote), dcp_stream)
 
 
-def dcp_reader_on(reader: Any, where: Remote) -> Any:
-    """Point ``reader`` (a ``FileSystemReader``, or a subclass) at the folder at ``where`` through fsspec."""
+def dcp_reader_on(reader: Any, where: Where) -> Any:
+    """Have ``reader`` (torch's ``FileSystemReader``, or a subclass, made for ``where``) read every file through
+    :func:`dcp_stream`; at a URL, through fsspec."""
     from lightning_gaudi_fsdp.adapters import torch_internals
 
-    return torch_internals.read_through_fsspec(reader, where.url)
+    if isinstance(where, Remote):
+        torch_internals.read_through_fsspec(reader, where.url)
+    return torch_internals.route_dcp_streams(reader, dcp_stream)
 
 
 def probe(where: Remote, argument: str, call: str = "") -> None:

@@ -260,13 +260,9 @@ def save_sharded(
     other."""
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(checkpoint, model_state, optimizer_states)
-    writer = files.dcp_writer(staging) if isinstance(staging, Remote) else None
+    writer = files.dcp_writer(staging)  # every file through the storage seam
     recorder = checksum.active()
     if recorder is not None:  # DCP may write from threads of its own: the recorder is handed over, not looked up
-        if writer is None:
-            import torch.distributed.checkpoint as dcp
-
-            writer = dcp.FileSystemWriter(str(staging))
         wrap = functools.partial(recorder.wrap, entries=True)  # each entry in blocks of its own
         writer = torch_internals.dcp_writer_through(writer, wrap, recorder.rename)
     _compat.dcp_save(state, str(staging), no_dist=no_dist, process_group=process_group, storage_writer=writer)

@@ -34,6 +34,7 @@ from torch.nn import Module
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
 from lightning_gaudi_fsdp.checkpoint import commit, integrity, location, storage
+from lightning_gaudi_fsdp.checkpoint.files import locate
 from lightning_gaudi_fsdp.checkpoint.formats import HF_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
@@ -248,8 +249,8 @@ def export_hf(
             "exporting to Hugging Face safetensors needs the safetensors package: pip install safetensors "
             "(or the package's examples extra)"
         ) from err
-    src, dst = location.local_path(src, "src"), location.local_path(dst, "dst")
-    config_dir = location.local_path(hf_config, "hf_config") if hf_config is not None else None
+    src, dst = locate(src, "src"), location.local_path(dst, "dst", urls=False)  # the source may be at a URL
+    config_dir = location.local_path(hf_config, "hf_config", urls=False) if hf_config is not None else None
     target_dtype = resolve_dtype(dtype)
     max_bytes = resolve_shard_size(max_shard_size)
     if peft not in (None, "adapter", "merged"):

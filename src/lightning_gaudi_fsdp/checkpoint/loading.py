@@ -101,7 +101,7 @@ def check_sharded(
         file = path / relative
         if not file.is_file():
             raise CheckpointError(path, f"shard file {relative!r} is missing")
-        if file.stat().st_size < end:
+        if files.size(file) < end:
             raise CheckpointError(path, f"shard file {relative!r} is truncated")
     if weights_only:
         check_distributed_entries(path, metadata, reader=reader)

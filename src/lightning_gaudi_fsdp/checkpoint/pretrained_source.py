@@ -3,7 +3,8 @@
 A Hugging Face model directory (``model.safetensors``, or several files with ``model.safetensors.index.json``), one
 ``.safetensors`` file (memory-mapped; ``safe_open(...).get_slice(key)[a:b]`` reads rows of one tensor), or a
 checkpoint of this strategy (full, sharded or local; read a tensor, or one local FSDP unit, at a time through
-:mod:`.tensor_source`).
+:mod:`.tensor_source`). Any of them may be at a URL (:mod:`.files`); safetensors files there are read a byte range
+of rows at a time (:mod:`.remote_safetensors`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import hf_names, location
+from lightning_gaudi_fsdp.checkpoint import files, hf_names
+from lightning_gaudi_fsdp.checkpoint.remote_safetensors import DTYPES as _DTYPES
+from lightning_gaudi_fsdp.checkpoint.remote_safetensors import RemoteSafetensors
 from lightning_gaudi_fsdp.checkpoint.tensor_source import TensorSource, open_source
 
 INDEX = hf_names.MODEL_INDEX
@@ -25,18 +28,6 @@ _ACCEPTED = (
     "a Hugging Face model directory (model.safetensors or model.safetensors.index.json), a .safetensors file or a "
     "checkpoint of this strategy (full file, sharded or local directory)"
 )
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class PretrainedWeightsError(ValueError):
@@ -66,7 +57,7 @@ def resolve(pretrained_weights: str | os.PathLike[str] | None, pretrained_prefix
         return None
     if not isinstance(pretrained_weights, str | os.PathLike):
         raise TypeError(f"pretrained_weights={pretrained_weights!r} must be a path; expected {_ACCEPTED}")
-    path = location.local_path(pretrained_weights, "pretrained_weights", "GaudiFSDPStrategy").expanduser()
+    path = files.locate(pretrained_weights, "pretrained_weights", "GaudiFSDPStrategy").expanduser()
     shown = f"pretrained_weights={str(pretrained_weights)!r}"
     if not path.exists():
         raise PretrainedWeightsError(f"{shown} does not exist; expected {_ACCEPTED}")
@@ -133,7 +124,10 @@ class Source:
         handle = self._handles.get(file)
         if handle is None:
             try:
-                handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+                if files.is_remote(file):
+                    handle = self._handles[file] = RemoteSafetensors(file)
+                else:
+                    handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
             except Exception as err:
                 raise PretrainedWeightsError(
                     f"{self.weights.describe()}: {file.name} is not a readable safetensors file ({err})"

@@ -241,7 +241,7 @@ class _Attempt:
         if self.rank == 0:
             try:
                 commit.discard(self.path)
-            except OSError as err:  # e.g. on a file system that turned read-only; the first error is what matters
+            except Exception as err:  # noqa: BLE001 - a read-only file system, a store gone: the first error matters
                 log.warning(f"could not remove the staging location {str(self.staging)!r}: {err}")
         raise CheckpointSaveError(self.path, failures, self.world_size) from error
 

@@ -166,12 +166,10 @@ def _check_bytes(data: io.BytesIO, where: Path, what: str, file: str) -> None:
 def storage_reader(path: Where, *, weights_only: bool = True) -> FileSystemReader:
     """torch's reader of a distributed checkpoint; with ``weights_only``, one that unpickles nothing unsafe. It reads
     the metadata file once: a reader kept for many reads (a checkpoint read a tensor at a time) does not unpickle
-    it again for each (several MB for a large model). At a URL it reads through fsspec
-    (:func:`.files.dcp_reader_on`)."""
+    it again for each (several MB for a large model). Every file is read through the storage seam, at a URL through
+    fsspec (:func:`.files.dcp_reader_on`)."""
     kind = _SafeFileSystemReader if weights_only else _OnceFileSystemReader
-    if isinstance(path, Remote):
-        return files.dcp_reader_on(kind(path.key), path)
-    return kind(path)
+    return files.dcp_reader_on(kind(path.key if isinstance(path, Remote) else path), path)
 
 
 class _OnceFileSystemReader(FileSystemReader):
