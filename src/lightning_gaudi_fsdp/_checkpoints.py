@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_gaudi_fsdp import _report, gaudi
 from lightning_gaudi_fsdp.adapters import lightning_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, files, formats, loading, space, storage, streaming
+from lightning_gaudi_fsdp.checkpoint import commit, files, formats, integrity, loading, space, storage, streaming
 from lightning_gaudi_fsdp.checkpoint.background import BackgroundSaver
 from lightning_gaudi_fsdp.checkpoint.staging import Defer
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
@@ -135,6 +135,7 @@ def save_checkpoint(
         local_metadata=local_metadata,
         check_free_space=door._config.check_free_space,
         crc32=door._config.checkpoint_crc32,
+        checksums=door._config.verify_checkpoints,
     )
 
     def gather(obj: Any) -> list[Any]:
@@ -242,6 +243,7 @@ def load_agreed(
                 weights_only=weights_only,
                 raw=raw,
                 hints=hints,
+                verify=door._config.verify_checkpoints,
             ),
         )
         rest = loading.apply_load(
@@ -253,6 +255,8 @@ def load_agreed(
             strict=strict,
             load_optimizers=load_optimizers,
         )
+    if pending.verified is False:  # one line: loaded as before, unverified
+        rank_zero_info(integrity.NOT_VERIFIED.format(path=str(pending.path)))
     note = loading.restore_note(pending, time.perf_counter() - started, door.world_size)
     if note is not None:
         rank_zero_info(note)

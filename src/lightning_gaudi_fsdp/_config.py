@@ -73,6 +73,7 @@ class Resolved:
     keep_batch_dtypes: bool
     check_free_space: bool | None
     checkpoint_crc32: bool
+    verify_checkpoints: bool  # checksums recorded on every save, verified on every load
     pretrained: pretrained.Weights | None
     failure_timeout: float  # seconds: argument, else LIGHTNING_GAUDI_FSDP_FAILURE_TIMEOUT, else 60
     stuck_timeout: float | None  # seconds a rank may wait in one collective before the stuck rank is named; off
@@ -113,6 +114,7 @@ def resolve(
     fsdp_version: int = 1,
     check_free_space: bool | None = None,
     checkpoint_crc32: bool = False,
+    verify_checkpoints: bool = True,
     pretrained_weights: str | None = None,
     pretrained_prefix: str = "",
     failure_timeout: float | None = None,
@@ -208,6 +210,7 @@ def resolve(
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
         checkpoint_crc32=options.resolve_bool(checkpoint_crc32, "checkpoint_crc32"),
+        verify_checkpoints=options.resolve_bool(verify_checkpoints, "verify_checkpoints"),
         pretrained=weights,
         failure_timeout=_rendezvous.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
         stuck_timeout=options.resolve_seconds(stuck_timeout, "stuck_timeout"),

@@ -16,7 +16,7 @@ from torch.nn import Module
 
 from lightning_gaudi_fsdp import _report, gaudi, module_options
 from lightning_gaudi_fsdp.adapters import torch_internals
-from lightning_gaudi_fsdp.checkpoint import pretrained
+from lightning_gaudi_fsdp.checkpoint import integrity, loading, pretrained
 from lightning_gaudi_fsdp.engine.pieces import carries_host_tensors, gather_objects
 
 log = logging.getLogger("lightning_gaudi_fsdp")
@@ -102,11 +102,23 @@ def refuse_pretrained_when_wrapped(door: Any) -> None:
 
 
 def plan_pretrained(door: Any, model: Module) -> pretrained.Plan | None:
-    """Before wrapping: match the model's parameters to ``pretrained_weights`` (every rank finds the same problems,
-    so every rank raises them before any collective); adapters draw from rank 0's seed."""
+    """Before wrapping: verify a checkpoint's checksums (every rank a part; any damage raises on every rank), then
+    match the model's parameters to ``pretrained_weights`` (every rank finds the same problems, so every rank raises
+    them before any collective); adapters draw from rank 0's seed."""
     if door._config.pretrained is None:
         return None
-    prepared = pretrained.plan(model, door._config.pretrained)
+    weights = door._config.pretrained
+    if weights.kind == "checkpoint" and door._config.verify_checkpoints:  # one of the package's: its checksums
+        verified = loading.agreed(
+            weights.path,
+            lambda: loading.verify_share(weights.path, door.global_rank, door.world_size),
+            door.world_size,
+        )
+        if not verified:
+            from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info(integrity.NOT_VERIFIED.format(path=str(weights.path)))
+    prepared = pretrained.plan(model, weights)
     prepared.seed = gather_objects(torch.initial_seed(), door.world_size)[0]
     return prepared
 

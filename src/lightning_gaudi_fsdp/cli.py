@@ -2,8 +2,9 @@
 
 Each command parses its arguments, calls library functions, prints, and returns an exit code: 0 on success, 1 when
 ``doctor`` finds a blocking problem, 2 for a bad path, format or argument, or a checkpoint refused as unsafe (one line
-on stderr; also for a missing optional package such as ``safetensors`` for ``convert --to hf``). ``inspect`` and
-``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
+on stderr; also for a missing optional package such as ``safetensors`` for ``convert --to hf``), 3 when a
+checkpoint's bytes do not match the checksums recorded when it was saved (``inspect``, ``inspect --verify``,
+``convert``). ``inspect`` and ``convert`` unpickle checkpoints safely unless ``--trust-checkpoint`` is given.
 """
 
 from __future__ import annotations
@@ -48,10 +49,19 @@ def _writers(info: dict[str, Any]) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from lightning_gaudi_fsdp.checkpoint import checksum, integrity
     from lightning_gaudi_fsdp.checkpoint.convert import describe
+    from lightning_gaudi_fsdp.checkpoint.formats import detect_format
     from lightning_gaudi_fsdp.checkpoint.space import human_bytes
 
+    detect_format(args.path)  # a bad path says so before anything is read
+    verified = integrity.verify(args.path)  # the "not verified" line is the table's row
+    checked = f"verified ({checksum.ALGORITHM})" if verified else "none recorded: not verified"
+    if args.verify:
+        print(_table([("path", str(args.path)), ("checksums", checked)]))
+        return 0
     info = describe(args.path, weights_only=not _trusting(args, args.path))
+    info["checksums"] = checked
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -67,6 +77,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ("optimizer state", "yes" if info["optimizer"] else "no"),
         ("epoch / step", f"{info['epoch']} / {info['global_step']}"),
         ("lightning", str(info.get("lightning_version"))),
+        ("checksums", checked),
     ]
     hf = info.get("hf_model")
     if hf is not None:  # what `convert --to hf` uses by default
@@ -144,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="describe a full, sharded or local checkpoint")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="only verify the checkpoint against the checksums recorded when it was saved (exit code 3 on damage)",
+    )
     _add_trust_flag(p)
     p.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("convert", help="convert a checkpoint offline (no process group, no device)")
@@ -175,4 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except (ValueError, OSError, ImportError) as err:  # CheckpointError is a ValueError, CheckpointSaveError an OSError
         print(f"lightning-gaudi-fsdp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return 3 if _damaged(err) else 2
+
+
+def _damaged(error: BaseException) -> bool:
+    """Whether ``error`` says a checkpoint's bytes are not those saved (its module is loaded if it was raised)."""
+    integrity = sys.modules.get("lightning_gaudi_fsdp.checkpoint.integrity")
+    return integrity is not None and isinstance(error, integrity.CheckpointIntegrityError)

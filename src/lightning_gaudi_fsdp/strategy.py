@@ -98,6 +98,10 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             ``torch.save`` does by default. ``False`` (default) leaves them out: ``torch.load`` and torch's distributed
             checkpoint reader never check them, and computing them took as long as writing the bytes. Set it if you
             verify checkpoint files with zip tools (``unzip -t``, ``zipfile.testzip``).
+        verify_checkpoints: ``True`` (default): every save records an XXH3 checksum of every file it writes
+            (computed while writing), and every load of a checkpoint that carries them verifies them before any
+            weight changes (:class:`~lightning_gaudi_fsdp.checkpoint.integrity.CheckpointIntegrityError` on every
+            rank otherwise). ``False`` neither records nor verifies them.
         failure_timeout: seconds (default 60) any rank waits for others outside a collective before it leaves with
             exit code 1 and a message naming itself and what it waited for: the rendezvous (a rank or the store's
             host lost before or while the process group forms), and the rendezvous store lost during ``fit``.

@@ -292,9 +292,9 @@ def test_a_real_save_appears_only_once_committed(tmp_path):
     saver, go = BackgroundSaver(), threading.Event()
     real = formats.save_file
 
-    def held(obj, file):
+    def held(obj, file, **kwargs):
         assert go.wait(10)
-        real(obj, file)
+        real(obj, file, **kwargs)
 
     path = tmp_path / "model.ckpt"
     checkpoint = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 3}

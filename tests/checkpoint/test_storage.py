@@ -181,9 +181,9 @@ def test_a_directory_removed_while_writing_says_so(tmp_path, monkeypatch, fmt):
     home = tmp_path / "runs"
     real = formats.save_file
 
-    def removed_first(obj, file):
+    def removed_first(obj, file, **kwargs):
         shutil.rmtree(home, ignore_errors=True)
-        real(obj, file)
+        real(obj, file, **kwargs)
 
     monkeypatch.setattr(formats, "save_file", removed_first)
     with pytest.raises(CheckpointSaveError, match=rf": failed while writing: directory '{home}' no longer exists"):
@@ -194,7 +194,7 @@ def test_a_directory_removed_while_writing_says_so(tmp_path, monkeypatch, fmt):
 def test_a_write_error_without_errno_is_explained_from_the_target(small_tmpfs, monkeypatch):
     # torch's own file writer says only "unexpected pos": look at the file system instead
     root = small_tmpfs("1m")
-    monkeypatch.setattr(formats, "save_file", lambda obj, file: _fill_and_fail(root))
+    monkeypatch.setattr(formats, "save_file", lambda obj, file, **kwargs: _fill_and_fail(root))
     with pytest.raises(CheckpointSaveError, match=rf": failed while writing: no space left on {root}: needed about"):
         _save("full", root / "next.ckpt", check_free_space=False)
 

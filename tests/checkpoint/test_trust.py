@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gaudi_fsdp.checkpoint import convert, formats, loading, trust
+from lightning_gaudi_fsdp.checkpoint import convert, formats, integrity, loading, trust
 from lightning_gaudi_fsdp.cli import main
 from lightning_gaudi_fsdp.engine import fsdp1_io
 from lightning_gaudi_fsdp.engine.fsdp1 import FSDP1
@@ -108,7 +108,8 @@ def own(tmp_path_factory) -> dict[str, Path]:
     ckpt[formats.PARAM_ID_NAMES_KEY] = [n for n, _ in module.named_parameters()]
     torch.save(ckpt, full)
     sharded = tmp / "sharded.ckpt"
-    assert convert.convert(full, sharded, "sharded") == []
+    unverified = integrity.NOT_VERIFIED.format(path=str(full))  # Lightning's own file records no checksums
+    assert convert.convert(full, sharded, "sharded") == [unverified]
     return {"full": full, "sharded": sharded, "local": _local_from(ckpt, tmp / "local.ckpt")}
 
 
@@ -208,6 +209,8 @@ def _bad_copy(own: dict[str, Path], fmt: str, target: str, tmp_path: Path) -> tu
         ckpt = torch.load(file, weights_only=False)
         ckpt["payload"] = Payload(marker)
         torch.save(ckpt, file)
+    if path.is_dir():  # crafted without checksums: verification is not what stops it
+        (path / integrity.MANIFEST).unlink(missing_ok=True)
     assert not marker.exists()
     return path, marker
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -33,8 +34,12 @@ def checkpoints(tmp_path_factory):
 
 
 def _copy(src, tmp_path):
+    """A copy without its checksums (as an earlier release wrote it): the checks before a load still refuse
+    damage they can see, on every rank (checkpoints with checksums: see the verified-checkpoint tests below)."""
     dst = tmp_path / src.name
     (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    if dst.is_dir():
+        (dst / "checksums.json").unlink()
     return dst
 
 
@@ -198,3 +203,108 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(scenario, tmp_path,
     reloaded = scenario({"strategy": _strategy(fmt), "module": MODULE, "max_steps": 2, "ckpt_path": str(ckpt)}).final()
     for key, value in good["weights"].items():
         assert torch.equal(reloaded["weights"][key], value), key
+
+
+# ------------------------------------------------------------------------------------------ verified checkpoints
+DAMAGES = [
+    "full_tensor",
+    "full_metadata",
+    "full_truncated",
+    "sharded_tensor",
+    "sharded_metadata",
+    "sharded_truncated",
+    "sharded_missing",
+    "local_tensor",
+    "local_metadata",
+    "local_truncated",
+    "local_missing",
+    "local_swapped",
+]
+
+
+def _damage_run(tmp_path_factory, fsdp_version):
+    from conftest import run_script
+
+    run = run_script("damage.py", {"fsdp_version": fsdp_version}, tmp_path_factory.mktemp(f"damage{fsdp_version}"))
+    return run, run.rank(0), run.rank(1)
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """One launch, FSDP1: every damage of every format resumed on 2 ranks (see scenarios/damage.py)."""
+    return _damage_run(tmp_path_factory, 1)
+
+
+def _check_refused(run, rank0, rank1, name):
+    from lightning_gaudi_fsdp.cli import main as cli
+
+    file = rank0["damaged"][name]
+    ckpt = run.out / "ckpts" / f"damaged_{name}"
+    messages = []
+    for result in (rank0, rank1):
+        load = result["loads"][f"damaged_{name}"]
+        assert load["error"] is not None, f"{name}: loaded without an error"
+        assert load["error"]["type"] == "CheckpointIntegrityError", load["error"]
+        assert (
+            f"Cannot load checkpoint '{ckpt}': checksum verification failed: file {file!r}" in load["error"]["message"]
+        )
+        assert "nothing was loaded" in load["error"]["message"]
+        assert load["unchanged"], f"{name}: weights or optimizer state changed by a refused load"
+        assert load["seconds"] < 30  # the strategy's timeout is 60 s: nobody waited for a peer
+        messages.append(load["error"]["message"])
+    assert messages[0] == messages[1]  # the same error, naming the rank that found it, on every rank
+    return ckpt, file, messages[0], cli
+
+
+@pytest.mark.parametrize("name", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_on_every_rank_before_anything_loads(damaged, name, capsys):
+    run, rank0, rank1 = damaged
+    ckpt, file, message, cli = _check_refused(run, rank0, rank1, name)
+    if name.endswith(("_tensor", "_metadata")):
+        assert "does not match: expected xxh3_64 " in message
+        assert ", found " in message
+    if name == "sharded_tensor":  # the one entry the damaged byte is in
+        assert re.search(r"file '__1_0.distcp' entry 'model\.[^']+' \(bytes \d+ to \d+\) does not match", message)
+    if name.endswith("_truncated") and not name.startswith("full"):
+        assert "is truncated: expected" in message
+    if name.endswith("_missing"):
+        assert f"file {file!r} is missing" in message
+    # offline: the same file named, exit code 3
+    capsys.readouterr()
+    assert cli(["inspect", "--verify", str(ckpt)]) == 3
+    err = capsys.readouterr().err
+    assert f"checksum verification failed: file {file!r}" in err
+
+
+def test_undamaged_checkpoints_verify_and_load_and_unverified_ones_load_with_one_line(damaged, capsys):
+    from lightning_gaudi_fsdp.cli import main as cli
+
+    run, rank0, rank1 = damaged
+    for result in (rank0, rank1):
+        for name in ("full", "sharded", "local", "unverified"):
+            assert result["loads"][name]["error"] is None, (name, result["loads"][name])
+    stderr = (run.out / "rank0.stderr").read_text()
+    unverified = run.out / "ckpts" / "unverified"
+    assert stderr.count(f"checkpoint '{unverified}' carries no checksums") == 1
+    assert "carries no checksums" not in (run.out / "rank1.stderr").read_text()  # one line, from rank 0
+    for name in ("full", "sharded", "local"):
+        capsys.readouterr()
+        assert cli(["inspect", "--verify", str(run.out / "ckpts" / name)]) == 0
+        assert "verified (xxh3_64)" in capsys.readouterr().out
+    assert cli(["inspect", "--verify", str(unverified)]) == 0
+    assert "none recorded: not verified" in capsys.readouterr().out
+    for name in ("sharded", "local"):  # every file of a directory checkpoint is in its manifest
+        ckpt = run.out / "ckpts" / name
+        listed = json.loads((ckpt / "checksums.json").read_text())["files"]
+        assert sorted(listed) == sorted(p.name for p in ckpt.iterdir() if p.name != "checksums.json")
+
+
+@pytest.fixture(scope="module")
+def damaged_fsdp2(tmp_path_factory):
+    return _damage_run(tmp_path_factory, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DAMAGES)
+def test_a_damaged_fsdp2_checkpoint_is_refused_on_every_rank(damaged_fsdp2, name):
+    _check_refused(*damaged_fsdp2, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import sys
 
 import pytest
@@ -72,6 +73,16 @@ def test_fabric_loop_equals_one_process_on_the_global_batch(scenario, tmp_path, 
         _assert_loads_as_litgpt_does(ckpt, final["weights"])
 
 
+def _damaged_copy(ckpt, dst):
+    """A copy of ``ckpt`` with one byte changed in the middle of its largest file."""
+    (shutil.copytree if ckpt.is_dir() else shutil.copy)(ckpt, dst)
+    largest = dst if dst.is_file() else max((p for p in dst.iterdir()), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    largest.write_bytes(bytes(data))
+    return dst
+
+
 def _assert_loads_as_litgpt_does(ckpt, trained: dict[str, torch.Tensor]) -> None:
     """Fabric's full layout, read in this process (not the one that saved it) the way LitGPT reads a checkpoint."""
     sys.path.insert(0, str(SCENARIOS))
@@ -121,7 +132,9 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     if fmt != "local" and not background:  # beside it, the same state in Lightning's own Fabric layout
         writes["lightning_layout"] = str(tmp_path / "lightning.ckpt")
     straight = scenario({**common, **writes, "save": str(ckpt), "save_after_epoch": 1}, script=FABRIC)
-    resumed = scenario({**common, "load": str(ckpt), "raw_checks": not background}, script=FABRIC)
+    damaged = _damaged_copy(ckpt, tmp_path / "damaged")  # fabric.load refuses it first, on every rank
+    load = {"load": str(ckpt), "load_damaged": str(damaged), "raw_checks": not background}
+    resumed = scenario({**common, **load}, script=FABRIC)
     a, b = straight.final(), resumed.final()
     _assert_equal_nested(b["weights"], a["weights"], "weights")
     _assert_equal_nested(b["optimizer"], a["optimizer"], "optimizer")
@@ -137,6 +150,11 @@ def test_fabric_resume_equals_the_uninterrupted_run(scenario, tmp_path, engine, 
     # a synchronous full save (no filter) is streamed (checkpoint/streaming.py); the loads above read it back exactly
     assert straight.rank(0)["save"]["streamed"] is (fmt == "full" and not background)
     assert straight.rank(0)["save"]["streamed_by_teardown"] is (fmt == "full")  # async: in the background
+    for rank in (0, 1):
+        info = resumed.rank(rank)
+        assert info["damaged_error"].startswith(f"CheckpointIntegrityError: Cannot load checkpoint '{damaged}'"), info
+        assert "checksum verification failed" in info["damaged_error"]
+        assert info["damaged_unchanged"]
     info = resumed.rank(1)
     assert info["scheduler_same_object"]
     assert info["scheduler_last_epoch"] == 3

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import BLOCK
+from lightning_gaudi_fsdp.checkpoint import integrity
 from lightning_gaudi_fsdp.checkpoint.convert import describe
 from lightning_gaudi_fsdp.checkpoint.formats import OPTIMIZER_GROUPS_KEY
 from scenarios.common import LIGHTNING_DEFAULTS
@@ -439,6 +440,12 @@ def test_checkpoints_cross_between_lightning_fsdp_strategy_and_ours(scenario, tm
         assert OPTIMIZER_GROUPS_KEY not in torch.load(ckpt / "meta.pt", weights_only=False)
     resumed = scenario({**second, **(stock if writer == "ours" else {})})
     _assert_same_run(resumed.final(), straight)
+    unverified = f"checkpoint '{ckpt}' carries no checksums"
+    if writer == "lightning":  # loaded as before, with one line saying it was not verified
+        assert (resumed.out / "rank0.stderr").read_text().count(unverified) == 1
+        assert unverified not in (resumed.out / "rank1.stderr").read_text()
+    else:  # ours carries checksums, and Lightning's strategy reads it all the same
+        assert integrity.verify(ckpt)
 
 
 @pytest.mark.versions
@@ -479,12 +486,14 @@ def _without_optimizer_names_converts_the_weights_with_a_note(local: Path, conve
     meta = json.loads((unnamed / LOCAL_METADATA).read_text())
     del meta["optimizer_param_names"]
     (unnamed / LOCAL_METADATA).write_text(json.dumps(meta))
+    (unnamed / integrity.MANIFEST).unlink()  # an older version wrote no checksums either
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = main(["convert", str(unnamed), str(target), "--to", to])
     assert code == 0, err.getvalue()
     assert re.findall(r"note: [^\n]*", err.getvalue()) == [
-        "note: this local checkpoint does not name its optimizer parameters; its optimizer state was not converted"
+        "note: " + integrity.NOT_VERIFIED.format(path=str(unnamed)),
+        "note: this local checkpoint does not name its optimizer parameters; its optimizer state was not converted",
     ]
     weights_only, _ = load_full_state(target)
     assert "optimizer_states" not in weights_only

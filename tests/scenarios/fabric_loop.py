@@ -263,6 +263,17 @@ def main() -> None:
             fabric.load(cfg["load"] + ".missing", state)
         except Exception as err:
             info["missing_error"] = f"{type(err).__name__}: {err}"
+        if cfg.get("load_damaged"):  # a copy with one byte changed: refused by its checksums, nothing loaded
+
+            def local() -> list[torch.Tensor]:
+                return [getattr(p, "to_local", lambda p=p: p)().detach().clone() for p in model.parameters()]
+
+            before = local()
+            try:
+                fabric.load(cfg["load_damaged"], state)
+            except Exception as err:
+                info["damaged_error"] = f"{type(err).__name__}: {err}"
+            info["damaged_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, local(), strict=True))
         remainder = fabric.load(cfg["load"], state, strict=cfg.get("strict", True))
         info["scheduler_same_object"] = state["scheduler"] is scheduler
         info["scheduler_last_epoch"] = scheduler.last_epoch

@@ -57,13 +57,15 @@ def streamed_full_save(
     crc32: bool = False,
     in_place: bool = True,
     other_host: int | None = None,
+    checksums: bool = False,
 ) -> str:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first), with CRC32s or without
     (``checkpoint_crc32``), the other ranks writing their pieces into the file themselves if ``in_place`` and they
     can (else sending them over the connections, as ranks on other hosts do); rank ``other_host`` reads another boot
     id, as a rank on another host (another running kernel) would. Returns how the pieces went: ``"in place"``,
     ``"received"`` or ``"in place + received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the
-    stream planned nothing."""
+    stream planned nothing. ``checksums``: off by default here, since a save that records them writes every piece
+    through rank 0 (no rank writes in place)."""
     from lightning_gaudi_fsdp.checkpoint import formats, space, stream_in_place
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
@@ -92,6 +94,7 @@ def streamed_full_save(
             gather=lambda obj: gather_objects(obj, world_size),
             stream=plan,
             crc32=crc32,
+            checksums=checksums,
         )
     finally:
         stream_in_place._IN_PLACE, space._BOOT_ID = default, boot_id

@@ -48,10 +48,10 @@ def arm_vanish(directory: Path) -> Callable[[], None]:
     """This rank's next staged write first removes ``directory`` (as a clean-up job would, mid-save)."""
     real = formats.save_file
 
-    def vanishing(obj: Any, file: Path) -> None:
+    def vanishing(obj: Any, file: Path, **kwargs: Any) -> None:
         if ".partial" in str(file) and directory.exists():
             shutil.rmtree(directory)
-        real(obj, file)
+        real(obj, file, **kwargs)
 
     formats.save_file = vanishing
 

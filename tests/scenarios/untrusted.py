@@ -103,6 +103,8 @@ def craft(good: Path, bad: Path, target: str, marker: Path) -> None:
     checkpoint = torch.load(file, weights_only=False)  # written by this run
     checkpoint["payload"] = Payload(marker)
     torch.save(checkpoint, file)
+    if bad.is_dir():  # crafted without checksums: verification is not what stops it
+        (bad / "checksums.json").unlink()
 
 
 def main() -> None:

@@ -132,6 +132,42 @@ def dcp_save_no_dist(state: dict[str, Any], path: str, storage_writer: Any = Non
     _save_state_dict(state, storage_writer=writer, no_dist=True)
 
 
+def dcp_writer_through(writer: Any, wrap: Callable[[Any, str], Any], renamed: Callable[[str, str], None]) -> Any:
+    """DCP's ``writer`` (its file-system writer, or its fsspec one for a URL) with the files it opens for writing
+    passed through ``wrap(stream, file)`` (a file object with an optional ``finish()``, called once the writer is
+    done with it), and its renames (its ``.metadata.tmp`` put in place) told to ``renamed(old, new)``. Both writers
+    keep their file system in the attribute ``fs`` (``create_stream``, ``rename``...), on torch 2.6 to 2.13."""
+    import contextlib
+    import os
+
+    inner = getattr(writer, "fs", None)
+    if inner is None or not callable(getattr(inner, "create_stream", None)):
+        raise RuntimeError(f"torch's {type(writer).__name__} keeps no file system in .fs: its files cannot be hashed")
+
+    class _Through:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        @contextlib.contextmanager
+        def create_stream(self, file: Any, mode: str) -> Any:
+            with inner.create_stream(file, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                handle = wrap(stream, os.fspath(file))
+                yield handle
+                finish = getattr(handle, "finish", None)
+                if finish is not None:
+                    finish()
+
+        def rename(self, file: Any, new: Any) -> None:
+            inner.rename(file, new)
+            renamed(os.fspath(file), os.fspath(new))
+
+    writer.fs = _Through()
+    return writer
+
+
 def empty_load_planner(keys: set[str] | None = None) -> Any:
     """DCP's planner that allocates every entry (or only ``keys``) from the checkpoint's metadata: what
     ``dcp_to_torch_save`` uses to read a checkpoint with no model at hand."""

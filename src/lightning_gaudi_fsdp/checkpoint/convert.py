@@ -22,7 +22,7 @@ import torch
 
 from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import join_name
-from lightning_gaudi_fsdp.checkpoint import commit, files, storage
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, integrity, storage
 from lightning_gaudi_fsdp.checkpoint.formats import (
     ENGINE_KEY,
     HF_KEY,
@@ -312,25 +312,31 @@ def convert(
         raise ValueError(f"to={to!r} is not supported; expected one of 'full', 'sharded'")
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
+    verified: list[str] = []
+    integrity.verify_offline(src, verified)  # before anything is read: damage raises CheckpointIntegrityError
     checkpoint, notes = load_full_state(src, progress, weights_only=weights_only)
+    notes = verified + notes
     staging = commit.staging_path(dst, os.urandom(6).hex())
     if to == "full":
         if is_fabric(checkpoint):
             checkpoint = fabric_layout(checkpoint)
-        write = lambda: save_file(checkpoint, staging)  # noqa: E731
+        write = lambda: save_file(checkpoint, staging, trailer=True)  # noqa: E731
     else:
         checkpoint = _sharded_from_full(checkpoint, notes)
         if is_fabric(checkpoint):
             checkpoint = fabric_layout(checkpoint)
         write = lambda: save_sharded(checkpoint, staging, rank=0, world_size=None, no_dist=True)  # noqa: E731
-    storage.write_atomically(
-        dst,
-        [write],
-        directory=to == "sharded",
-        needed=lambda: bytes_to_write(to, checkpoint, rank=0),
-        check_free_space=check_free_space,
-        staging=staging,
-    )
+    recorder = checksum.Recorder(staging if to == "sharded" else staging.parent)  # the output carries checksums
+    with checksum.recording(recorder):
+        storage.write_atomically(
+            dst,
+            [write],
+            directory=to == "sharded",
+            needed=lambda: bytes_to_write(to, checkpoint, rank=0),
+            check_free_space=check_free_space,
+            staging=staging,
+            recorder=recorder if to == "sharded" else None,
+        )
     return notes
 
 

@@ -21,6 +21,7 @@ callers pass the model, optimizers, rank and an all-gather.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -32,8 +33,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_gaudi_fsdp import _compat
+from lightning_gaudi_fsdp.adapters import torch_internals
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, files, space, storage
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, space, storage
 from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
 from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
 
@@ -128,6 +130,7 @@ def save(
     process_group: Any = None,
     stream: FullStream | None = None,
     crc32: bool = False,
+    checksums: bool = True,
 ) -> Path:
     """Write ``checkpoint`` (with ``state_dict`` and ``optimizer_states`` in ``fmt``) atomically to ``path``.
 
@@ -137,8 +140,9 @@ def save(
     the same :class:`~.storage.CheckpointSaveError` (see :func:`~.storage.write_atomically`). ``stream``: the
     :class:`~.streaming.FullStream` the full ``checkpoint`` was built with; in the write step rank 0 receives and
     writes each tensor in turn while the other ranks send their pieces. ``crc32``: the zip archives carry a CRC32
-    of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them). At a URL every rank
-    writes its own objects under a new generation that rank 0's token names (see :mod:`.commit`)."""
+    of each record (see :func:`.storage.zip_checksums`; ``torch.load`` never checks them). ``checksums``: every file
+    is hashed while written and the digests recorded in the checkpoint (see :mod:`.checksum`, :mod:`.integrity`). At
+    a URL every rank writes its own objects under a new generation that rank 0's token names (see :mod:`.commit`)."""
     path = files.locate(path, "path")
     directory = fmt != "full"
     token = gather(os.urandom(6).hex() if rank == 0 else None)[0] if isinstance(path, Remote) else ""
@@ -149,10 +153,11 @@ def save(
         if path.is_dir() and not directory and detect_format_or_none(path) is None:
             raise IsADirectoryError(f"Refusing to replace directory {str(path)!r} (not a checkpoint) with a file")
 
+    expected = _size_hint(checkpoint) if fmt == "full" and rank == 0 and checksums else None
     if fmt == "full" and stream is not None and stream.pending:  # else torch's path gathered it
-        writes = [lambda: stream.write(checkpoint, staging) if rank == 0 else stream.send()]
+        writes = [lambda: stream.write(checkpoint, staging, expected) if rank == 0 else stream.send()]
     elif fmt == "full":
-        writes = [lambda: save_file(checkpoint, staging) if rank == 0 else None]
+        writes = [lambda: save_file(checkpoint, staging, trailer=True, expected=expected) if rank == 0 else None]
     elif fmt == "sharded":
         writes = [lambda: save_sharded(checkpoint, staging, rank, world_size, process_group=process_group)]
     else:
@@ -163,7 +168,8 @@ def save(
             lambda: save_file(shard, staging / local_shard_name(rank)),
             lambda: _finish_local(rest, staging, world_size, meta) if rank == 0 else None,
         ]
-    with storage.zip_checksums(crc32):
+    recorder = checksum.Recorder(staging if directory else staging.parent) if checksums else None
+    with storage.zip_checksums(crc32), checksum.recording(recorder):
         return storage.write_atomically(
             path,
             writes,
@@ -173,6 +179,7 @@ def save(
             rank=rank,
             gather=gather,
             before=refuse_non_checkpoint_directory,
+            recorder=recorder if directory else None,
             staging=staging,
         )
 
@@ -194,11 +201,21 @@ def bytes_to_write(
     return own
 
 
-def save_file(obj: Any, file: Where) -> None:
+def _size_hint(checkpoint: dict[str, Any]) -> int | None:
+    """About the bytes of a full checkpoint, for the block its checksums are computed in; None if unknown."""
+    try:
+        return space.estimate_bytes(checkpoint)
+    except Exception:  # noqa: BLE001 - the free-space check reports an estimate that fails
+        return None
+
+
+def save_file(obj: Any, file: Where, *, trailer: bool = False, expected: int | None = None) -> None:
     """``torch.save`` through a Python file (:func:`.files.open_write`): a failed write then carries its errno
     (``ENOSPC``...) and the file is closed at once; with a path, torch's own writer reports only "unexpected pos" and
-    keeps the file open, and its space allocated, for as long as the exception lives."""
-    with files.open_write(file) as handle:
+    keeps the file open, and its space allocated, for as long as the exception lives. While a save records checksums
+    the file is hashed as it is written; ``trailer``: the file is a checkpoint of its own and carries them (see
+    :mod:`.checksum`)."""
+    with checksum.open_for_writing(file, trailer=trailer, expected=expected) as handle:
         torch.save(obj, handle)
 
 
@@ -244,6 +261,10 @@ def save_sharded(
     model_state, optimizer_states, rest = _split_state(checkpoint)
     state = _dcp_state(checkpoint, model_state, optimizer_states)
     writer = files.dcp_writer(staging)  # every file through the storage seam
+    recorder = checksum.active()
+    if recorder is not None:  # DCP may write from threads of its own: the recorder is handed over, not looked up
+        wrap = functools.partial(recorder.wrap, entries=True)  # each entry in blocks of its own
+        writer = torch_internals.dcp_writer_through(writer, wrap, recorder.rename)
     _compat.dcp_save(state, str(staging), no_dist=no_dist, process_group=process_group, storage_writer=writer)
     if rank == 0:
         # Kept beside Lightning's metadata for optimizers whose per-parameter state is empty.
@@ -266,7 +287,8 @@ def _finish_local(rest: dict[str, Any], staging: Where, world_size: int, meta: M
     if missing:
         raise RuntimeError(f"local checkpoint: shards of ranks {missing} were not written to {staging}")
     # The marker is written last: a directory without it is never taken for a checkpoint.
-    (staging / LOCAL_METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    with checksum.open_for_writing(staging / LOCAL_METADATA) as handle:
+        handle.write(json.dumps(meta, indent=2, sort_keys=True).encode())
 
 
 def local_metadata(

@@ -33,7 +33,7 @@ import torch
 from torch.nn import Module
 
 from lightning_gaudi_fsdp.adapters.fsdp1_internals import clean_name
-from lightning_gaudi_fsdp.checkpoint import commit, location, storage
+from lightning_gaudi_fsdp.checkpoint import commit, integrity, location, storage
 from lightning_gaudi_fsdp.checkpoint.files import locate
 from lightning_gaudi_fsdp.checkpoint.formats import HF_KEY
 from lightning_gaudi_fsdp.checkpoint.hf_names import MODEL_INDEX, base_key, is_adapter_key
@@ -261,12 +261,14 @@ def export_hf(
         raise ValueError(f"hf_config={str(config_dir)!r} has no config.json")
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination (nothing is overwritten)")
+    verified: list[str] = []
+    integrity.verify_offline(src, verified)  # before anything is read: damage raises CheckpointIntegrityError
     source = open_source(src, weights_only=weights_only)
     record = json.loads(source.rest.get(HF_KEY) or "{}")
     if prefix is None:
         prefix = record.get("prefix", "")
     outs, adapter_config = _plan(source, prefix, peft, target_dtype, record, config_dir)
-    notes = []
+    notes = verified
     if peft == "adapter":
         files = [("adapter_model.safetensors", outs)]
     else:

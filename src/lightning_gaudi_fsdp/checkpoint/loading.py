@@ -17,7 +17,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_gaudi_fsdp.checkpoint import fast_load, files
+from lightning_gaudi_fsdp.checkpoint import fast_load, files, integrity
 from lightning_gaudi_fsdp.checkpoint.formats import (
     LOCAL_TRAINER_STATE,
     OPTIMIZER_GROUPS_KEY,
@@ -164,6 +164,7 @@ class PendingLoad:
     weights_only: bool = True
     optimizer_groups: list[Any] = field(default_factory=list)  # hyper-parameters kept beside sharded state
     dcp_reader: Any = None  # sharded: the reader that read the metadata, kept for the data (read once)
+    verified: bool | None = None  # its checksums verified (False: it has none; None: not checked)
 
 
 def check_load(
@@ -178,12 +179,15 @@ def check_load(
     weights_only: bool = True,
     raw: bool = False,
     hints: Hints = (None, ()),
+    verify: bool = True,
 ) -> PendingLoad:
     """Detect the format of ``path``, read what this rank needs and check it against ``model`` and the world size.
     Raises :class:`CheckpointError`; nothing in ``model`` is changed. Every file is unpickled with ``weights_only``
     (see :mod:`.trust`); ``False`` only for a checkpoint whose source is trusted. ``raw``: a single file may also be
     a plain model state dict (``torch.save(model.state_dict())``), not only a Lightning checkpoint. ``hints``: where
     the model and optimizers are in a checkpoint of Lightning's own Fabric (see :func:`.views.internal_view`).
+    ``verify``: first check this rank's part of the checkpoint's checksums (:func:`.integrity.verify`), raising
+    :class:`~.integrity.CheckpointIntegrityError`; whether it had any is in the result's ``verified``.
 
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
@@ -191,20 +195,28 @@ def check_load(
     fmt = detect_format(path)
     if fmt in ("sharded", "local"):
         current = engine.current_state(model, fmt, device_type)
+    verified = verify_share(path, rank, world_size) if verify else None
     if fmt == "full":
         checkpoint = load_file(path, path, "the checkpoint file", weights_only=weights_only)
         state, checkpoint = split_model_state(path, checkpoint, raw, hints)
         saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         check_state_keys(path, saved, engine.expected_full_shapes(model), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
-        return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only)
+        return PendingLoad(fmt, path, checkpoint, state, optimizer_states, weights_only=weights_only, verified=verified)
     if fmt == "sharded":
         rest = load_file(path / SHARDED_METADATA, path, "the trainer state", weights_only=weights_only)
         rest = internal_view(rest, path)
         reader = storage_reader(path, weights_only=weights_only)
         metadata, rest = check_sharded(path, current, strict, weights_only, rest, hints, reader)
         return PendingLoad(
-            fmt, path, rest, current, dcp_metadata=metadata, weights_only=weights_only, dcp_reader=reader
+            fmt,
+            path,
+            rest,
+            current,
+            dcp_metadata=metadata,
+            weights_only=weights_only,
+            dcp_reader=reader,
+            verified=verified,
         )
     check_local(path, model, engine, world_size, rank)
     rest = load_file(path / LOCAL_TRAINER_STATE, path, "the trainer state", weights_only=weights_only)
@@ -222,7 +234,15 @@ def check_load(
             raise CheckpointError(
                 path, f"the shard of rank {rank} holds {saved.numel()} elements of {key!r}; this rank holds {held}"
             )
-    return PendingLoad(fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only)
+    return PendingLoad(
+        fmt, path, rest, shard["model"], shard.get("optimizer_states"), weights_only=weights_only, verified=verified
+    )
+
+
+def verify_share(path: Any, rank: int, world_size: int) -> bool:
+    """This rank's part of :func:`.integrity.verify`: False for a checkpoint without checksums (the caller says, in
+    one line, that it is loaded unverified: :data:`.integrity.NOT_VERIFIED`)."""
+    return integrity.verify(path, rank=rank, world_size=world_size)
 
 
 def _local_numel(value: Any) -> int:
@@ -392,17 +412,19 @@ def load_sharded_fast(
 def agreed(path: Path, read: Callable[[], T], world_size: int) -> T:
     """``read()`` on every rank; if it raised on any rank, every rank raises the same :class:`CheckpointError`
     naming the first rank that failed and its problem (any other exception as ``Type: message``), so that none goes
-    on to a collective alone or waits in this one (one gather of every rank's outcome)."""
+    on to a collective alone or waits in this one (one gather of every rank's outcome). A damaged checkpoint raises
+    :class:`~.integrity.CheckpointIntegrityError` on every rank."""
     result, error, cause = None, None, None
     try:
         result = read()
     except CheckpointError as err:
-        error, cause = err.problem, err
+        error, cause = (err.problem, isinstance(err, integrity.CheckpointIntegrityError)), err
     except Exception as err:  # e.g. an OSError while reading: the other ranks must hear of it too
-        error, cause = f"{type(err).__name__}: {err}", err
+        error, cause = (f"{type(err).__name__}: {err}", False), err
     errors = gather_objects(error, world_size)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    failed = [(rank, found) for rank, found in enumerate(errors) if found]
     if failed:
-        rank, problem = failed[0]
-        raise CheckpointError(path, f"{problem} (reported by rank {rank})") from cause
+        rank, (problem, damaged) = failed[0]
+        kind = integrity.CheckpointIntegrityError if damaged else CheckpointError
+        raise kind(path, f"{problem} (reported by rank {rank})") from cause
     return result  # type: ignore[return-value]

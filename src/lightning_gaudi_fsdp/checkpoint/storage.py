@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import commit, files, space
+from lightning_gaudi_fsdp.checkpoint import checksum, commit, files, space
 from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
 from lightning_gaudi_fsdp.checkpoint.space import Plan, Target, human_bytes, needed_together, same_file_system
 
@@ -334,6 +334,7 @@ def write_atomically(
     gather: Gather = _alone,
     before: Callable[[], None] | None = None,
     staging: Where | None = None,
+    recorder: checksum.Recorder | None = None,
 ) -> Where:
     """Save to ``path`` through its staging location; every rank calls this with its own ``writes`` (run in order,
     the ranks agreeing after each) and ``needed``, which estimates the bytes those writes take. ``gather`` is an
@@ -345,11 +346,24 @@ def write_atomically(
     the warning "the free-space check before saving PATH did not run: ..." and the file system it writes to is not
     checked; the save goes on (and reports what it cannot write, if anything). ``staging``: where the writes go
     (:func:`.commit.staging_path`; required for a URL, whose generation every rank must agree on). At a URL there is
-    no free-space check; the commit writes the commit record (see :mod:`.commit`)."""
+    no free-space check; the commit writes the commit record (see :mod:`.commit`). ``recorder``: the checksums of
+    what this rank wrote into the staging directory; rank 0 writes every rank's into its manifest before the
+    commit."""
     path = files.locate(path, "path")  # every writer saves through here: never a URL taken for a local path
     attempt = _Attempt(path, directory=directory, rank=rank, gather=gather, staging=staging)
     attempt.prepare(before, needed, space.check_free_space_enabled(check_free_space))
     for write in writes:
         attempt.step("failed while writing", write)
-    attempt.step("failed while committing", lambda: commit.commit(attempt.staging, path) if rank == 0 else None)
+    digests: dict[str, checksum.Digest] = {}
+    if recorder is not None:
+        for recorded in attempt.step("failed while writing", lambda: dict(recorder.files)):
+            digests.update(recorded)
+
+    def finish() -> None:
+        if rank == 0:
+            if recorder is not None:
+                checksum.write_manifest(attempt.staging, digests)
+            commit.commit(attempt.staging, path)
+
+    attempt.step("failed while committing", finish)
     return path

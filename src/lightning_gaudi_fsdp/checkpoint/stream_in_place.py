@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters import buffers
-from lightning_gaudi_fsdp.checkpoint import space
+from lightning_gaudi_fsdp.checkpoint import checksum, space
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def hello(handle: Any, file: Path | None) -> tuple[torch.Tensor, bytes]:
     """Rank 0's side of the handshake: ``[boot id, device, inode, length of the path]`` of the file it writes
     (``handle``, open on ``file``) and its path, or zeros and no path where the other ranks are to send their pieces
     (no file to share, in-place writes switched off, a file system that does not share writes)."""
-    shareable = handle is not None and file is not None and _IN_PLACE and shares_writes(os.path.realpath(file))
+    hashed = isinstance(handle, checksum.HashingFile)  # its checksums need every byte to pass through it
+    shareable = handle is not None and file is not None and _IN_PLACE and not hashed
+    shareable = shareable and shares_writes(os.path.realpath(str(file)))
     stat = os.fstat(handle.fileno()) if shareable else None
     boot, device = space.file_system_id(stat) if stat else (0, 0)
     path = os.fsencode(os.path.abspath(file)) if boot else b""  # any name the OS takes (undecodable bytes too)

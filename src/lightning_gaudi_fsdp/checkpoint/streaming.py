@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lightning_gaudi_fsdp.adapters import buffers, torch_internals
-from lightning_gaudi_fsdp.checkpoint import files, stream_in_place
+from lightning_gaudi_fsdp.checkpoint import checksum, files, stream_in_place
 from lightning_gaudi_fsdp.checkpoint.space import ByteCounter
 from lightning_gaudi_fsdp.checkpoint.stream_receiver import Hole, Receiver, Record
 
@@ -146,9 +146,11 @@ class FullStream:
         finally:
             os.close(fd)
 
-    def write(self, obj: Any, file: Path | files.Remote) -> None:
+    def write(self, obj: Any, file: Path | files.Remote, expected: int | None = None) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
-        Every planned piece is received before this returns or raises."""
+        Every planned piece is received before this returns or raises. While the save records checksums, every byte
+        goes through rank 0's file (no rank writes in place) and the file carries them (``expected``: about its
+        size; see :mod:`.checksum`)."""
         receiver = Receiver(self._records, self.group)
         # at a URL: each tensor assembled on rank 0 and written through the upload (no in-place writes, no holes)
         local = not files.is_remote(file)
@@ -156,7 +158,7 @@ class FullStream:
         try:
             receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
-            with files.open_write(file) as handle:
+            with checksum.open_for_writing(file, trailer=True, expected=expected) as handle:
                 receiver.connect(handle if direct else None, Path(file) if local else None)
                 self.in_place = bool(receiver.writers)
                 self.senders = len(receiver.sources) - len(receiver.writers)
