@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, set_state_dict_type, write_json
 from lightning.pytorch.callbacks import Callback
 from train import leave
 
@@ -134,20 +134,21 @@ class SaveDamageLoad(Callback):
         if trainer.global_step != K:
             return
         strategy = trainer.strategy
-        original, config = strategy._state_dict_type, strategy._config
+        config = strategy._config
+        original = config.state_dict_type
         for fmt in self.formats:
-            strategy._state_dict_type = fmt
+            set_state_dict_type(strategy, fmt)
             trainer.save_checkpoint(self.work / fmt)
         strategy._config = dataclasses.replace(config, verify_checkpoints=False)  # as an earlier release wrote it
         trainer.save_checkpoint(self.work / "unverified")
-        strategy._config, strategy._state_dict_type = config, original
+        strategy._config = config
         made = damage(self.work, self.formats) if trainer.global_rank == 0 else {}
         made = trainer.strategy.broadcast(made)
         self.result["damaged"] = made
         loads: dict[str, Any] = {}
         for name in [*(f"damaged_{n}" for n in made), *self.formats, "unverified"]:
             fmt = name.split("_")[1] if name.startswith("damaged_") else (original if name == "unverified" else name)
-            strategy._state_dict_type = fmt
+            set_state_dict_type(strategy, fmt)
             before = _snapshot(trainer)
             started = time.monotonic()
             error = None
@@ -162,7 +163,7 @@ class SaveDamageLoad(Callback):
                 "unchanged": len(before) == len(after)
                 and all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
             }
-        strategy._state_dict_type = original
+        strategy._config = config
         self.result["loads"] = loads
 
 
