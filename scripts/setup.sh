@@ -28,7 +28,10 @@ else
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
     if [ "$INSTALLER" = uv ] && { [ -x "$VENV/bin/uv" ] || "$VENV/bin/pip" install -q uv; }; then
         links=${PIP_FIND_LINKS:-$("$VENV/bin/pip" config get global.find-links 2>/dev/null || true)}
-        install() { UV_FIND_LINKS=${UV_FIND_LINKS:-$links} "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$@"; }
+        install() {  # pip where uv cannot (an index uv cannot reach: pip's other settings are not passed on)
+            UV_FIND_LINKS=${UV_FIND_LINKS:-$links} "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$@" ||
+                { echo "uv failed: installing with pip"; "$VENV/bin/pip" install -q "$@"; }
+        }
     fi
     "$VENV/bin/python" -c "import torch" >/dev/null 2>&1 || install "$TORCH_SPEC"
 fi
