@@ -86,6 +86,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     for i in order:
                         started = time.monotonic()
                         rounds[engine][i].append(_measure(section, trees[i], engine, args, Path(tmp)))
+                        # every measurement so far, in case the run is cut short
+                        args.out.with_suffix(".partial.json").write_text(json.dumps({**out, section: rounds}))
                         print(f"  {section} {engine} round {round_} tree {i}: {time.monotonic() - started:.0f} s")
             out[section] = {engine: _ratios(per_tree) for engine, per_tree in rounds.items()}
             _print(section, out[section], trees)
@@ -144,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     for tree in args.trees:
         if not (tree / "src" / "lightning_gaudi_fsdp").is_dir():
             parser.error(f"trees: {str(tree)!r} has no src/lightning_gaudi_fsdp")
-    result = compare(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = compare(args)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(f"\nwrote {args.out}")
     return 0
 
