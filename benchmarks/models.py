@@ -36,6 +36,9 @@ SIZES = {
     "overhead": (8192, 416, 8, 8),
     "memory": (2048, 128, 4, 4),
     "checkpoint": (8192, 1024, 7, 16),
+    # about the same state in 80 layers (a 70B Llama's count: 82 units, about 2,900 state tensors), for the per-unit
+    # and per-tensor costs the 7 large layers hide
+    "units80": (8192, 320, 80, 8),
 }
 
 

@@ -126,6 +126,17 @@ def _trainer(cfg: dict[str, Any], engine: str, callback: Any, max_steps: int) ->
     )
 
 
+def set_format(strategy: Any, fmt: str) -> None:
+    """Make ``strategy`` save in ``fmt`` from now on: the package reads its resolved options (``strategy._config``, a
+    frozen record) since they moved there; older trees read ``strategy._state_dict_type``. Setting only the latter
+    left every save of the benchmark a full one."""
+    import dataclasses
+
+    strategy._state_dict_type = fmt
+    if dataclasses.is_dataclass(getattr(strategy, "_config", None)):
+        strategy._config = dataclasses.replace(strategy._config, state_dict_type=fmt)
+
+
 def _slowest(seconds: float) -> float:
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -202,7 +213,7 @@ def resume(rank: int, cfg: dict[str, Any]) -> None:
         writer.fit(_module(cfg))
         ckpts = {}
         for fmt in cfg["formats"]:
-            writer.strategy._state_dict_type = fmt
+            set_format(writer.strategy, fmt)
             ckpts[fmt] = str(out / f"{engine}-{fmt}")
             writer.save_checkpoint(ckpts[fmt])
         del writer

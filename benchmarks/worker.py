@@ -39,6 +39,8 @@ FORMATS = ("full", "sharded", "local")
 
 
 def _write(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    package = sys.modules.get("lightning_gaudi_fsdp")  # which tree was measured (compare.py checks it)
+    result = {**result, "package": getattr(package, "__file__", None)}
     Path(cfg["result"]).write_text(json.dumps(result))
 
 
@@ -218,9 +220,85 @@ def checkpoint_in_fit(rank: int, cfg: dict[str, Any]) -> None:
     _leave()
 
 
+def save_resume(rank: int, cfg: dict[str, Any]) -> None:
+    """What a user waits for at a checkpoint, per format of ``cfg["formats"]``: ``trainer.save_checkpoint`` into a new
+    path, the same save again over that checkpoint (as ``ModelCheckpoint`` rewrites ``last.ckpt``: the replaced one is
+    deleted inside the call), and loading it (``strategy.load_checkpoint``, what ``fit(ckpt_path=...)`` runs before
+    the first step); against ``torch.save`` without CRC32s + fsync of the same full state into a new file (rank 0),
+    ``torch.load`` of this rank's share (its file of the local checkpoint) and ``torch.load`` of the whole file (rank
+    0). ``cfg["rounds"]`` rounds in one process, each starting with the next contender; the first round is kept and
+    reported apart (a fresh process's first save is the first checkpoint of a run). No file is deleted before the
+    end, but by the overwriting saves. ``BENCH_PROFILE=<format>`` / ``BENCH_PROFILE_LOAD=<format>`` write a cProfile
+    of rank 0's last save / load of that format to ``BENCH_PROFILE_DIR``."""
+    out = Path(cfg["dir"])
+    trainer = _trainer(cfg, max_steps=1)
+    trainer.fit(_module(cfg))  # one step, so AdamW holds its moments
+    strategy = trainer.strategy
+    state = _full_state(trainer)  # collective; rank 0 gets the state, the others an empty one
+    rounds, formats = cfg.get("rounds", 1), cfg.get("formats", list(FORMATS))
+    rows: list[dict[str, float]] = []
+
+    def profiled(kind: str, fmt: str, last: bool, fn: Any) -> float:
+        if not (last and rank == 0 and os.environ.get(f"BENCH_PROFILE{kind}") == fmt):
+            return _sync_time(fn)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        taken = _sync_time(lambda: profiler.runcall(fn))
+        name = f"profile-{cfg['engine']}-{fmt}{kind.lower().replace('_', '-')}.txt"
+        with open(Path(os.environ.get("BENCH_PROFILE_DIR", out)) / name, "w") as handle:
+            stats = pstats.Stats(profiler, stream=handle)
+            stats.sort_stats("cumulative").print_stats(50)
+            stats.sort_stats("tottime").print_stats(30)
+        return taken
+
+    def fmt_contender(fmt: str, round_: int, row: dict[str, float]) -> None:
+        resume.set_format(strategy, fmt)
+        path, last = out / f"{fmt}-{round_}", round_ == rounds - 1
+        row[f"{fmt}_save_s"] = profiled("", fmt, last, lambda: trainer.save_checkpoint(path))
+        row[f"{fmt}_overwrite_s"] = _sync_time(lambda: trainer.save_checkpoint(path))
+        row[f"{fmt}_load_s"] = profiled("_LOAD", fmt, last, lambda: strategy.load_checkpoint(path))
+        row[f"{fmt}_bytes"] = _dir_bytes(path)
+
+    def torch_save(round_: int, row: dict[str, float]) -> None:
+        saved = _torch_save_and_load(state, out / f"torch-{round_}.pt", crc32=False, load=False) if rank == 0 else {}
+        row["torch_save_plain_s"] = resume._slowest(saved.get("save_s", 0.0))
+
+    def torch_loads(round_: int, row: dict[str, float]) -> None:
+        share = out / f"local-{round_}" / f"rank_{rank:05d}.pt"
+        row["torch_load_share_s"] = resume._torch_load(share) if share.is_file() else float("nan")
+        loaded = 0.0
+        if rank == 0:
+            start = time.perf_counter()
+            torch.load(out / f"torch-{round_}.pt", weights_only=False)
+            loaded = time.perf_counter() - start
+        row["torch_load_full_s"] = resume._slowest(loaded)
+
+    contenders: list[Any] = [functools.partial(fmt_contender, fmt) for fmt in formats] + [torch_save]
+    for round_ in range(rounds):
+        row: dict[str, float] = {}
+        k = round_ % len(contenders)
+        for contender in contenders[k:] + contenders[:k]:
+            contender(round_, row)
+        torch_loads(round_, row)  # reads this round's files
+        rows.append(row)
+        dist.barrier()
+        if rank == 0:  # the disk holds one round; the next round's first contender pays this deletion
+            for path in [*out.glob(f"*-{round_}"), out / f"torch-{round_}.pt"]:
+                _remove(path)
+            os.sync()
+        dist.barrier()
+    if rank == 0:
+        for path in sorted(out.iterdir()):
+            _remove(path)
+        _write(cfg, {"rows": rows, "state_bytes": _state_bytes(state)})
+    _leave()
+
+
 def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], profile: bool) -> dict[str, Any]:
     strategy = trainer.strategy
-    strategy._state_dict_type = fmt
+    resume.set_format(strategy, fmt)
     if trainer.global_rank == 0:
         _remove(path)
     profile = profile and os.environ.get("BENCH_PROFILE") == fmt and trainer.global_rank == 0
@@ -241,7 +319,9 @@ def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], prof
             pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(40)
     peak = status_bytes("VmHWM") - before  # what the save added on top of the trained model
     load_s = _sync_time(lambda: strategy.load_checkpoint(path))
-    return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak}
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    # the layout written: which format the save really used (the files of a folder; [] for one file)
+    return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak, "files": files}
 
 
 def _remove(path: Path) -> None:
@@ -262,7 +342,7 @@ def _async_save(trainer: Any, fmt: str, path: Path, saver: Any) -> dict[str, Any
     from lightning_gaudi_fsdp.engine.pieces import gather_objects
 
     strategy = trainer.strategy
-    strategy._state_dict_type = fmt
+    resume.set_format(strategy, fmt)
     if trainer.global_rank == 0:
         _remove(path)
     strategy._background, saver.active = saver, True
@@ -410,6 +490,7 @@ MODES = {
     "checkpoint": checkpoint,
     "checkpoint_in_fit": checkpoint_in_fit,
     "load_sharded": load_sharded,
+    "save_resume": save_resume,
     "pretrained_load": pretrained_load,
     "resume": lambda rank, cfg: (resume.resume(rank, cfg), _leave()),
 }
@@ -428,10 +509,14 @@ def _rank(rank: int, mode: str, cfg: dict[str, Any], port: int) -> None:
     MODES[mode](rank, cfg)
 
 
+TRAINER_MODES = ("lightning_steps", "checkpoint", "checkpoint_in_fit", "save_resume", "load_sharded", "pretrained_load")
+TRAINER_MODES += ("resume",)
+
+
 def launch(mode: str, cfg: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
-    if mode in ("lightning_steps", "checkpoint", "checkpoint_in_fit", "load_sharded", "pretrained_load", "resume"):
+    if mode in TRAINER_MODES:
         import lightning.pytorch  # noqa: F401  (imported once, before forking)
 
         import lightning_gaudi_fsdp  # noqa: F401

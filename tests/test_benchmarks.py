@@ -32,6 +32,13 @@ def _check_checkpoint_section(proc: Any, results: dict[str, Any], tmp_path: Path
     for engine in ENGINES:
         for fmt in ("full", "sharded", "local"):
             assert checkpoint[engine][fmt]["bytes"] > 0
+        # each format was saved in its own layout (the benchmark switches the strategy's format between saves)
+        layouts = {fmt: checkpoint[engine][fmt]["rounds"][-1]["files"] for fmt in ("full", "sharded", "local")}
+        assert {"rank_00000.pt", "rank_00001.pt"} <= set(layouts["local"]), layouts
+        assert ".metadata" in layouts["sharded"], layouts
+        assert "rank_00000.pt" not in layouts["sharded"], layouts
+        assert layouts["full"] not in (layouts["sharded"], layouts["local"]), layouts
+        for fmt in ("full", "sharded", "local"):
             assert checkpoint[engine][fmt]["save_s"] > 0
             background = checkpoint[engine][fmt]["async"]  # the same save with async_save=True, in the same round
             assert 0 < background["blocked_s"] <= background["save_s"]
