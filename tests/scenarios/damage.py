@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import QUIET_TRAINER, Module, load_config, write_json
+from common import QUIET_TRAINER, Module, load_config, set_state_dict_type, write_json
 from lightning.pytorch.callbacks import Callback
 from train import leave
 
@@ -86,11 +86,14 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
         (ckpt / "__0_0.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes()[:-1])
         ckpt = copy("sharded", "sharded_missing")
         (ckpt / "__1_0.distcp").unlink()
+        ckpt = copy("sharded", "sharded_marker_missing")  # the file that says which format it is
+        (ckpt / "meta.pt").unlink()
         made.update(
             sharded_tensor="__1_0.distcp",
             sharded_metadata=".metadata",
             sharded_truncated="__0_0.distcp",
             sharded_missing="__1_0.distcp",
+            sharded_marker_missing="meta.pt",
         )
     if "local" in formats:
         ckpt = copy("local", "local_tensor")
@@ -101,6 +104,8 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
         (ckpt / "rank_00000.pt").write_bytes((ckpt / "rank_00000.pt").read_bytes()[:-1])
         ckpt = copy("local", "local_missing")
         (ckpt / "rank_00001.pt").unlink()
+        ckpt = copy("local", "local_marker_missing")
+        (ckpt / "local_metadata.json").unlink()
         ckpt = copy("local", "local_swapped")
         first, second = (ckpt / "rank_00000.pt").read_bytes(), (ckpt / "rank_00001.pt").read_bytes()
         (ckpt / "rank_00000.pt").write_bytes(second)
@@ -110,6 +115,7 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
             local_metadata="local_metadata.json",
             local_truncated="rank_00000.pt",
             local_missing="rank_00001.pt",
+            local_marker_missing="local_metadata.json",
             local_swapped="rank_00000.pt",
         )
     return made
@@ -134,20 +140,21 @@ class SaveDamageLoad(Callback):
         if trainer.global_step != K:
             return
         strategy = trainer.strategy
-        original, config = strategy._state_dict_type, strategy._config
+        config = strategy._config
+        original = config.state_dict_type
         for fmt in self.formats:
-            strategy._state_dict_type = fmt
+            set_state_dict_type(strategy, fmt)
             trainer.save_checkpoint(self.work / fmt)
         strategy._config = dataclasses.replace(config, verify_checkpoints=False)  # as an earlier release wrote it
         trainer.save_checkpoint(self.work / "unverified")
-        strategy._config, strategy._state_dict_type = config, original
+        strategy._config = config
         made = damage(self.work, self.formats) if trainer.global_rank == 0 else {}
         made = trainer.strategy.broadcast(made)
         self.result["damaged"] = made
         loads: dict[str, Any] = {}
         for name in [*(f"damaged_{n}" for n in made), *self.formats, "unverified"]:
             fmt = name.split("_")[1] if name.startswith("damaged_") else (original if name == "unverified" else name)
-            strategy._state_dict_type = fmt
+            set_state_dict_type(strategy, fmt)
             before = _snapshot(trainer)
             started = time.monotonic()
             error = None
@@ -162,7 +169,7 @@ class SaveDamageLoad(Callback):
                 "unchanged": len(before) == len(after)
                 and all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
             }
-        strategy._state_dict_type = original
+        strategy._config = config
         self.result["loads"] = loads
 
 
