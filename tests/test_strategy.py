@@ -130,6 +130,21 @@ def test_bad_values_fail_at_construction_with_the_argument_named(kwargs, error, 
         GaudiFSDPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("door", [GaudiFSDPStrategy, FabricStrategy])
+def test_checkpoint_crc32_is_deprecated_in_favour_of_verify_checkpoints_and_still_writes_the_crc32s(door, recwarn):
+    from lightning.fabric.utilities.rank_zero import LightningDeprecationWarning
+
+    door(checkpoint_crc32=False)
+    door()
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    with pytest.warns(LightningDeprecationWarning) as caught:
+        strategy = door(checkpoint_crc32=True)
+    message = str(caught[0].message)
+    assert message.startswith("checkpoint_crc32 is deprecated: the checksums verify_checkpoints=True records"), message
+    assert "still writes them for zip tools" in message
+    assert strategy._config.checkpoint_crc32 is True
+
+
 def test_preemption_saves_by_default_with_a_25_s_grace_on_both_doors_and_from_yaml():
     from datetime import timedelta
 

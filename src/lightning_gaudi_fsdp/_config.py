@@ -209,7 +209,7 @@ def resolve(
         check_free_space=None
         if check_free_space is None
         else options.resolve_bool(check_free_space, "check_free_space"),
-        checkpoint_crc32=options.resolve_bool(checkpoint_crc32, "checkpoint_crc32"),
+        checkpoint_crc32=_resolve_crc32(checkpoint_crc32),
         verify_checkpoints=options.resolve_bool(verify_checkpoints, "verify_checkpoints"),
         pretrained=weights,
         failure_timeout=_rendezvous.failure_timeout(options.resolve_seconds(failure_timeout, "failure_timeout")),
@@ -219,6 +219,24 @@ def resolve(
         preemption_grace=options.resolve_preemption_grace(preemption_grace),
         async_save=options.resolve_bool(async_save, "async_save"),
     )
+
+
+CRC32_DEPRECATED = (
+    "checkpoint_crc32 is deprecated: the checksums verify_checkpoints=True records (XXH3-64 of every byte, verified "
+    "before every load) supersede torch's zip CRC32s, which no load reads. checkpoint_crc32=True still writes them for "
+    "zip tools (unzip -t) in this release, and makes a streamed full save send every piece through rank 0; leave it "
+    "out (verify_checkpoints=False turns checksums off)."
+)
+
+
+def _resolve_crc32(value: Any) -> bool:
+    """``checkpoint_crc32``, deprecated: ``True`` says so once, on rank 0 (:data:`CRC32_DEPRECATED`)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
+
+    crc32 = options.resolve_bool(value, "checkpoint_crc32")
+    if crc32:
+        rank_zero_deprecation(CRC32_DEPRECATED)
+    return crc32
 
 
 def takes_arguments(**door_defaults: Any) -> Callable[[_Init], _Init]:

@@ -51,10 +51,9 @@ def _writers(info: dict[str, Any]) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_gaudi_fsdp.checkpoint import checksum, integrity
     from lightning_gaudi_fsdp.checkpoint.convert import describe
-    from lightning_gaudi_fsdp.checkpoint.formats import detect_format
     from lightning_gaudi_fsdp.checkpoint.space import human_bytes
 
-    detect_format(args.path)  # a bad path says so before anything is read
+    integrity.format_of(args.path)  # a bad path says so before anything is read (a file listed but missing: named)
     verified = integrity.verify(args.path)  # the "not verified" line is the table's row
     checked = f"verified ({checksum.ALGORITHM})" if verified else "none recorded: not verified"
     if args.verify:

@@ -94,10 +94,11 @@ class GaudiFSDPStrategy(_platform.GaudiPlatform, FSDPStrategy):
             its file system and refuse the save before anything is written when it is short. ``None`` (default)
             reads ``LIGHTNING_GAUDI_FSDP_CHECK_FREE_SPACE`` (``0`` turns it off), else on; ``False`` is for file
             systems that report free space wrongly.
-        checkpoint_crc32: ``True`` writes a CRC32 of each record into the checkpoint's zip archives, as
-            ``torch.save`` does by default. ``False`` (default) leaves them out: ``torch.load`` and torch's distributed
-            checkpoint reader never check them, and computing them took as long as writing the bytes. Set it if you
-            verify checkpoint files with zip tools (``unzip -t``, ``zipfile.testzip``).
+        checkpoint_crc32: deprecated (a ``LightningDeprecationWarning`` when ``True``): the checksums of
+            ``verify_checkpoints`` supersede it. ``True`` still writes a CRC32 of each record into the checkpoint's zip
+            archives, as ``torch.save`` does by default, for zip tools (``unzip -t``, ``zipfile.testzip``); no load
+            reads them, and a streamed full save then sends every piece through rank 0. ``False`` (default) leaves
+            them out.
         verify_checkpoints: ``True`` (default): every save records an XXH3 checksum of every file it writes
             (computed while writing), and every load of a checkpoint that carries them verifies them before any
             weight changes (:class:`~lightning_gaudi_fsdp.checkpoint.integrity.CheckpointIntegrityError` on every

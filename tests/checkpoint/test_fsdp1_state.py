@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -21,7 +22,29 @@ STREAMED_AS_GATHERED = {
     "received": [],
     "crc32_mismatch": None,
     "received_same_bytes": True,
+    "verified": True,
 }
+
+
+def check_streamed(result: dict, world_size: int) -> None:
+    """The streamed saves of tests/scenarios/fsdp1_state.py, checksums recorded (the default): the other ranks write
+    their pieces into the file themselves, hashing them as they write them; with CRC32s (rank 0 reads every byte)
+    rank 0 receives them, and from the last rank when it reads another boot id (as on another host), while the others
+    still write theirs. Each file reads back as the gathered state (plainly, memory-mapped; the CRC32s right), the one
+    written in place verifies, and a byte changed inside a piece the last rank wrote is found, in the bytes it is in."""
+    on_another_host = "received" if world_size == 2 else "in place + received"
+    assert result["streamed_planned"] == ["in place", "received", on_another_host]
+    differences = dict(result["streamed_differences"])
+    flipped = differences.pop("flipped")
+    assert differences == STREAMED_AS_GATHERED
+    assert flipped is not None
+    assert flipped["rank"] == world_size - 1, flipped
+    message = flipped["message"]
+    assert message is not None, flipped
+    assert "checksum verification failed: file 'streamed.ckpt'" in message, message
+    found = re.search(r"\(bytes (\d+) to (\d+)\) does not match", message)
+    assert found, message
+    assert int(found[1]) <= flipped["offset"] < int(found[2]), message
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3), (1, 6), (2, 2, 2, 3)])
@@ -60,14 +83,7 @@ def test_sharded_and_full_state_equal_torchs_bitwise(scenario, use_orig_params, 
     assert result["local_same_as_torchs"]
     assert result["local_keys"] == ["0._flat_param", "0.scale", "1._flat_param", "1.scale", "_flat_param"]
     assert result["local_keys_with_foreign_hook"] == sorted([*result["local_keys"], "0.extra"])
-    # streamed (checkpoint/streaming.py): the other ranks write their pieces into the file themselves; with CRC32s
-    # (rank 0 reads every byte) rank 0 receives them, and from the last rank when it reads another boot id (as on
-    # another host), while the others still write theirs; each file reads back as the gathered state
-    on_another_host = "received" if world_size == 2 else "in place + received"
-    assert result["streamed_planned"] == ["in place", "received", on_another_host]
-    # the file reads back as the gathered state, plainly and memory-mapped; with CRC32s (each tensor assembled first)
-    # too, and zipfile finds every CRC32 right; received over the connections, it is the same file byte for byte
-    assert result["streamed_differences"] == STREAMED_AS_GATHERED
+    check_streamed(result, world_size)  # streamed (checkpoint/streaming.py), checksums recorded
     if world_size == 2:
         _check_stream_memory_and_failure(run.out)
 

@@ -4,10 +4,12 @@ matrix is in tests/distributed/test_damage.py)."""
 from __future__ import annotations
 
 import io
+import json
 import zipfile
 
 import pytest
 import torch
+import xxhash
 
 from lightning_gaudi_fsdp.checkpoint import checksum, formats, integrity, storage
 from lightning_gaudi_fsdp.checkpoint.integrity import CheckpointIntegrityError
@@ -138,3 +140,49 @@ def test_a_checkpoint_at_a_url_carries_checksums_and_damage_there_is_refused(s3,
     victim.write_bytes(bytes(body))
     with pytest.raises(CheckpointIntegrityError, match=rf"checksum verification failed: file '{victim.name}'"):
         integrity.verify(url)
+
+
+def test_pieces_hashed_by_the_rank_that_writes_them_are_blocks_that_verify_recomputes(tmp_path):
+    """A streamed full save's pieces written in place by another rank (checkpoint/stream_in_place.py): the file skips
+    them in its own hashing, their writer hashes them from its memory, and the digests put in their place are those
+    of the blocks read back, wherever the pieces start and end."""
+    block = checksum.MIN_BLOCK
+    data = torch.randint(0, 256, (5 * block + 12345,), dtype=torch.uint8).numpy().tobytes()
+    pieces = [(1000, 1000 + 2 * block + 7), (3 * block + 5, 3 * block + 6), (4 * block, 5 * block)]  # (start, end)
+    path = tmp_path / "file"
+    with open(path, "wb") as raw:
+        handle = checksum.HashingFile(raw, block)
+        at = 0
+        for key, (start, end) in enumerate(pieces):
+            handle.write(data[at:start])
+            assert handle.skip(end - start, key) == start
+            at = end
+        handle.write(data[at:])
+        for key, (start, end) in enumerate(pieces):
+            with open(path, "r+b") as other:  # the other rank: its own descriptor
+                other.seek(start)
+                other.write(data[start:end])
+            handle.fill(key, checksum.block_digests(data[start:end], block))
+        digest = handle.finish()
+    assert path.read_bytes() == data
+    ranges = digest.ranges()
+    for start, end in pieces:  # each piece starts and ends a block
+        assert any(s == start for s, _ in ranges)
+        assert any(e == end for _, e in ranges)
+    for index, (start, end) in enumerate(ranges):
+        assert digest.block_digest(index) == xxhash.xxh3_64(data[start:end]).digest(), (start, end)
+
+
+@pytest.mark.parametrize("size", [1 << 20, 3 << 30, 5 << 40])
+def test_a_trailer_holds_the_digests_of_as_many_pieces_as_trailer_fits_allows(size):
+    """Where trailer_fits says the pieces fit, the longest trailer such a file can get fits a zip comment."""
+    fitting = [parts for parts in (0, 10, 100, 500, 1000, 1300, 1500, 3000) if checksum.trailer_fits(size, parts)]
+    assert 1000 in fitting
+    assert 3000 not in fitting
+    for parts in fitting:
+        block = checksum.block_size(size, parts)
+        blocks = -(-size // block) + 64 + 2 * parts  # an estimate short by 64 blocks, two more per piece
+        cuts = tuple(2 * size - i for i in range(2 * parts))
+        worst = checksum.Digest(2 * size, block, b"\xff" * checksum.DIGEST_BYTES * blocks, cuts)
+        comment = checksum.TRAILER_MAGIC + json.dumps(worst.to_json(), separators=(",", ":")).encode("ascii")
+        assert len(comment) <= 65535, (size, parts, len(comment))

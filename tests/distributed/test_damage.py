@@ -214,10 +214,12 @@ DAMAGES = [
     "sharded_metadata",
     "sharded_truncated",
     "sharded_missing",
+    "sharded_marker_missing",
     "local_tensor",
     "local_metadata",
     "local_truncated",
     "local_missing",
+    "local_marker_missing",
     "local_swapped",
 ]
 

@@ -86,11 +86,14 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
         (ckpt / "__0_0.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes()[:-1])
         ckpt = copy("sharded", "sharded_missing")
         (ckpt / "__1_0.distcp").unlink()
+        ckpt = copy("sharded", "sharded_marker_missing")  # the file that says which format it is
+        (ckpt / "meta.pt").unlink()
         made.update(
             sharded_tensor="__1_0.distcp",
             sharded_metadata=".metadata",
             sharded_truncated="__0_0.distcp",
             sharded_missing="__1_0.distcp",
+            sharded_marker_missing="meta.pt",
         )
     if "local" in formats:
         ckpt = copy("local", "local_tensor")
@@ -101,6 +104,8 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
         (ckpt / "rank_00000.pt").write_bytes((ckpt / "rank_00000.pt").read_bytes()[:-1])
         ckpt = copy("local", "local_missing")
         (ckpt / "rank_00001.pt").unlink()
+        ckpt = copy("local", "local_marker_missing")
+        (ckpt / "local_metadata.json").unlink()
         ckpt = copy("local", "local_swapped")
         first, second = (ckpt / "rank_00000.pt").read_bytes(), (ckpt / "rank_00001.pt").read_bytes()
         (ckpt / "rank_00000.pt").write_bytes(second)
@@ -110,6 +115,7 @@ def damage(work: Path, formats: list[str]) -> dict[str, str]:
             local_metadata="local_metadata.json",
             local_truncated="rank_00000.pt",
             local_missing="rank_00001.pt",
+            local_marker_missing="local_metadata.json",
             local_swapped="rank_00000.pt",
         )
     return made

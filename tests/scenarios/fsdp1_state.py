@@ -7,6 +7,7 @@ with ``torch.load`` against the gathered one; with ``cfg["stream_memory"]``, a w
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -57,15 +58,15 @@ def streamed_full_save(
     crc32: bool = False,
     in_place: bool = True,
     other_host: int | None = None,
-    checksums: bool = False,
+    checksums: bool = True,
 ) -> str:
     """Save ``model``'s full checkpoint as the front doors do, streamed (or gathered first), with CRC32s or without
     (``checkpoint_crc32``), the other ranks writing their pieces into the file themselves if ``in_place`` and they
     can (else sending them over the connections, as ranks on other hosts do); rank ``other_host`` reads another boot
     id, as a rank on another host (another running kernel) would. Returns how the pieces went: ``"in place"``,
     ``"received"`` or ``"in place + received"`` on rank 0, ``"in place"`` or ``"sent"`` elsewhere; ``""`` if the
-    stream planned nothing. ``checksums``: off by default here, since a save that records them writes every piece
-    through rank 0 (no rank writes in place)."""
+    stream planned nothing. ``checksums``: recorded (the default), each rank writing in place hashes what it writes;
+    rank 0 writes ``<file>.pieces.json``: the ``[rank, offset, bytes]`` each other rank wrote in place."""
     from lightning_gaudi_fsdp.checkpoint import formats, space, stream_in_place
     from lightning_gaudi_fsdp.checkpoint.streaming import FullStream
     from lightning_gaudi_fsdp.engine.base import of as engine_of
@@ -100,6 +101,8 @@ def streamed_full_save(
         stream_in_place._IN_PLACE, space._BOOT_ID = default, boot_id
     if plan is None or not plan.pending:
         return ""
+    if rank == 0:
+        write_json(path.parent, f"{path.name}.pieces.json", plan.placed)
     if rank != 0:
         return "in place" if plan.in_place else "sent"
     return " + ".join([*(["in place"] if plan.in_place else []), *(["received"] if plan.senders else [])])
@@ -122,7 +125,12 @@ def streamed_differences(eager: dict, out: Path) -> dict:
     """What differs between the gathered full state ``eager`` (``model``, ``optimizer_0``) and the files of
     :func:`streamed_full_saves`: read plainly, memory-mapped and, with CRC32s or received, plainly (key order
     included); the first record of the CRC32 file whose CRC32 does not match its bytes (``zipfile``'s ``testzip``;
-    None: none); and whether the received file is byte for byte the one written in place."""
+    None: none); whether the received file is byte for byte the one written in place (but for the checksums in its
+    zip comment, whose blocks are cut where the pieces written in place start and end); whether the file written in
+    place verifies (``integrity.verify``: True) and what it says of a copy with one byte changed in the middle of the
+    first piece the last rank wrote in place (``flipped``: the byte's offset and the error's message)."""
+    from lightning_gaudi_fsdp.checkpoint import checksum, integrity
+
     result: dict[str, Any] = {}
     for how, name, kwargs in (
         ("load", "streamed.ckpt", {}),
@@ -137,7 +145,28 @@ def streamed_differences(eager: dict, out: Path) -> dict:
     with zipfile.ZipFile(out / "streamed_crc32.ckpt") as archive:
         result["crc32_mismatch"] = archive.testzip()
     received, in_place = (out / "streamed_received.ckpt").read_bytes(), (out / "streamed.ckpt").read_bytes()
-    result["received_same_bytes"] = received == in_place
+    covered = [checksum.read_trailer(out / name)[1] for name in ("streamed_received.ckpt", "streamed.ckpt")]
+    result["received_same_bytes"] = (
+        covered[0] == covered[1] and received[: covered[0] - 2] == in_place[: covered[1] - 2]
+    )
+    result["verified"] = integrity.verify(out / "streamed.ckpt", earlier=False)
+    pieces = json.loads((out / "streamed.ckpt.pieces.json").read_text())
+    last = max(rank for rank, _, _ in pieces) if pieces else None
+    flipped = None
+    for rank, offset, size in pieces:
+        if rank == last:
+            at = offset + size // 2
+            damaged = bytearray(in_place)
+            damaged[at] ^= 0xFF
+            (out / "flipped").mkdir(exist_ok=True)
+            (out / "flipped" / "streamed.ckpt").write_bytes(bytes(damaged))
+            try:
+                integrity.verify(out / "flipped" / "streamed.ckpt", earlier=False)
+                flipped = {"offset": at, "rank": rank, "message": None}
+            except integrity.CheckpointIntegrityError as err:
+                flipped = {"offset": at, "rank": rank, "message": str(err)}
+            break
+    result["flipped"] = flipped
     return result
 
 

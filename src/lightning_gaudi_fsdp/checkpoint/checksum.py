@@ -38,6 +38,7 @@ DIGEST_BYTES = 8
 MIN_BLOCK = 1 << 20  # 1 MiB: the finest a damaged byte is placed
 DEFAULT_BLOCK = 4 << 20  # where the file's size is not known in advance
 _TRAILER_BLOCKS = 4096  # at most this many digests in a zip comment (65535 bytes at most)
+_COMMENT_MAX = 65535 - 1024  # what a trailer may take of a zip comment, with room to spare
 TRAILER_MAGIC = b"lightning-gaudi-fsdp checksums "
 MANIFEST = "checksums.json"  # a directory checkpoint's checksums: every other file's digests
 MANIFEST_VERSION = 1
@@ -45,15 +46,36 @@ _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22
 
 
-def block_size(expected_bytes: int | None) -> int:
+def block_size(expected_bytes: int | None, parts: int = 0) -> int:
     """The block a file of about ``expected_bytes`` is hashed in: 1 MiB, doubled until the digests fit a zip
-    comment (4096 blocks: 4 GiB files at 1 MiB, 4 TiB at 1 GiB)."""
+    comment (4096 blocks: 4 GiB files at 1 MiB, 4 TiB at 1 GiB), with ``parts`` pieces of it hashed by other writers
+    (see :func:`trailer_fits`)."""
     if not expected_bytes:
         return DEFAULT_BLOCK
     size = MIN_BLOCK
-    while expected_bytes > size * (_TRAILER_BLOCKS - 64):  # some slack for an estimate that came out short
+    # some slack for an estimate that came out short
+    while size < expected_bytes and (
+        expected_bytes > size * (_TRAILER_BLOCKS - 64) or _comment_bytes(expected_bytes, size, parts) > _COMMENT_MAX
+    ):
         size *= 2
     return size
+
+
+def trailer_fits(expected_bytes: int | None, parts: int) -> bool:
+    """Whether the zip comment of a file of about ``expected_bytes`` holds its digests when ``parts`` pieces of it
+    are hashed by other writers (each adds up to two blocks and two cuts; the comment holds 65535 bytes): some
+    thousand pieces at most, whatever the block."""
+    return bool(expected_bytes) and _comment_bytes(expected_bytes, block_size(expected_bytes, parts), parts) <= (
+        _COMMENT_MAX
+    )
+
+
+def _comment_bytes(expected_bytes: int, block: int, parts: int) -> int:
+    """About the longest a trailer gets (:meth:`HashingFile.finish`), with an estimate ``expected_bytes`` that came
+    out short by up to 64 blocks."""
+    blocks = -(-expected_bytes // block) + 64 + 2 * parts
+    cut = len(str(2 * expected_bytes)) + 1  # a cut in decimal, and its comma
+    return len(TRAILER_MAGIC) + 128 + -(-blocks * DIGEST_BYTES // 3) * 4 + 2 * parts * cut
 
 
 @dataclass(frozen=True)
@@ -96,7 +118,8 @@ class Digest:
 
 
 class BlockHasher:
-    """Hashes a stream of bytes in blocks of ``block`` bytes (or shorter, where :meth:`cut`)."""
+    """Hashes a stream of bytes in blocks of ``block`` bytes (or shorter, where :meth:`cut`); bytes another writer
+    hashes (:meth:`skip`) are blocks of their own, their digests given later (:meth:`fill`)."""
 
     def __init__(self, block: int) -> None:
         self.block = block
@@ -105,6 +128,7 @@ class BlockHasher:
         self._cuts: list[int] = []
         self._hasher = xxhash.xxh3_64()
         self._filled = 0
+        self._holes: dict[Any, tuple[int, int]] = {}  # key -> (index of its first block, its blocks) not filled yet
 
     def update(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -123,14 +147,45 @@ class BlockHasher:
             self._close_block()
             self._cuts.append(self.size)
 
+    def skip(self, size: int, key: Any) -> None:
+        """``size`` bytes written by another writer, who hashes them as a :class:`BlockHasher` of the same block
+        does (:func:`block_digests`): a block ends where they start and where they end; :meth:`fill` gives their
+        digests under ``key``."""
+        if size <= 0:
+            return
+        self.cut()
+        count = -(-size // self.block)
+        self._holes[key] = (len(self._digests), count)
+        self._digests.extend([b""] * count)
+        self.size += size
+        if size % self.block:
+            self._cuts.append(self.size)
+
+    def fill(self, key: Any, digests: bytes) -> None:
+        """The digests of the bytes skipped under ``key`` (:meth:`skip`), as :func:`block_digests` gives them."""
+        first, count = self._holes.pop(key)
+        if len(digests) != count * DIGEST_BYTES:
+            raise ValueError(f"{len(digests) // DIGEST_BYTES} block digests were given for {count} blocks")
+        for i in range(count):
+            self._digests[first + i] = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+
     def _close_block(self) -> None:
         self._digests.append(self._hasher.digest())
         self._hasher.reset()
         self._filled = 0
 
     def digest(self) -> Digest:
+        if self._holes:
+            raise ValueError(f"the digests of {len(self._holes)} part(s) written by another writer were not given")
         tail = [self._hasher.digest()] if self._filled or not self._digests else []
         return Digest(self.size, self.block, b"".join(self._digests + tail), tuple(self._cuts))
+
+
+def block_digests(data: Any, block: int) -> bytes:
+    """The block digests of ``data`` written at the start of a block (see :meth:`BlockHasher.skip`)."""
+    hasher = BlockHasher(block)
+    hasher.update(data)
+    return hasher.digest().blocks
 
 
 class HashingFile:
@@ -175,6 +230,25 @@ class HashingFile:
         if len(data):
             self._hasher.update(data)
             self._raw.write(data)
+
+    def skip(self, size: int, key: Any) -> int:
+        """Leave ``size`` bytes for another writer to write at the offset returned (the raw file seeks past them),
+        who hashes them (see :meth:`BlockHasher.skip`); their digests come with :meth:`fill`."""
+        if self._tail:  # what was held back lies before them
+            self._hasher.update(self._tail)
+            self._raw.write(self._tail)
+            self._tail = b""
+        offset = self._hasher.size
+        self._hasher.skip(size, key)
+        self._raw.seek(size, os.SEEK_CUR)
+        return offset
+
+    def fill(self, key: Any, digests: bytes) -> None:
+        self._hasher.fill(key, digests)
+
+    @property
+    def block(self) -> int:
+        return self._hasher.block
 
     def tell(self) -> int:
         if self._entries:  # a writer asks where an entry starts (DCP does, before and after each): a block ends
@@ -301,10 +375,11 @@ class Recorder:
         trailer: bool = False,
         expected: int | None = None,
         entries: bool = False,
+        parts: int = 0,
     ) -> HashingFile:
         """``raw``, open for writing on ``file``, hashed; its digest recorded when it is finished (``trailer``,
-        ``entries``: see :class:`HashingFile`)."""
-        block = block_size(expected)
+        ``entries``: see :class:`HashingFile`; ``parts``: see :func:`block_size`)."""
+        block = block_size(expected, parts)
         return HashingFile(raw, block, trailer=trailer, on_close=lambda d: self.add(file, d), entries=entries)
 
     def rename(self, old: str | os.PathLike[str], new: str | os.PathLike[str]) -> None:
@@ -336,19 +411,21 @@ def active() -> Recorder | None:
     return _RECORDER.get()
 
 
-def wrap(raw: BinaryIO, file: Where, *, trailer: bool = False, expected: int | None = None) -> Any:
+def wrap(raw: BinaryIO, file: Where, *, trailer: bool = False, expected: int | None = None, parts: int = 0) -> Any:
     """``raw`` (open for writing on ``file``) hashed and recorded by the active recorder; ``raw`` itself when no
     recorder is active (checksums off). ``trailer``: see :class:`HashingFile`."""
     recorder = active()
-    return raw if recorder is None else recorder.wrap(raw, file, trailer, expected)
+    return raw if recorder is None else recorder.wrap(raw, file, trailer, expected, parts=parts)
 
 
 @contextlib.contextmanager
-def open_for_writing(file: Where, *, trailer: bool = False, expected: int | None = None) -> Iterator[Any]:
+def open_for_writing(
+    file: Where, *, trailer: bool = False, expected: int | None = None, parts: int = 0
+) -> Iterator[Any]:
     """Open ``file`` for writing (:func:`.files.open_write`), hashed while written when a recorder is active (see
     :func:`wrap`)."""
     with files.open_write(file) as raw:
-        handle = wrap(raw, file, trailer=trailer, expected=expected)
+        handle = wrap(raw, file, trailer=trailer, expected=expected, parts=parts)
         yield handle
         if isinstance(handle, HashingFile):
             handle.finish()

@@ -28,7 +28,7 @@ import xxhash
 from lightning_gaudi_fsdp.checkpoint import checksum, files
 from lightning_gaudi_fsdp.checkpoint.checksum import Digest
 from lightning_gaudi_fsdp.checkpoint.files import Remote, Where
-from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, readable
+from lightning_gaudi_fsdp.checkpoint.formats import CheckpointError, CheckpointFormat, detect_format, readable
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,23 @@ def verify(path: str | os.PathLike[str] | Where, *, rank: int = 0, world_size: i
             raise
         raise CheckpointIntegrityError(path, err.problem + _earlier_note(path), err.file) from None
     return True
+
+
+def format_of(path: str | os.PathLike[str] | Where) -> CheckpointFormat:
+    """:func:`.formats.detect_format`, except that a directory checkpoint whose checksums list a file that is missing
+    or of another size (its ``meta.pt`` or ``local_metadata.json`` gone, which names its format) raises
+    :class:`CheckpointIntegrityError` naming that file, as :func:`verify` would (reading no byte)."""
+    try:
+        return detect_format(path)
+    except CheckpointError:
+        found = readable(path)
+        try:
+            units = _units(found) if found.is_dir() else None
+            for unit in units or ():
+                _check_unit(found, unit, [], True)
+        except CheckpointIntegrityError as err:
+            raise CheckpointIntegrityError(found, err.problem + _earlier_note(found), err.file) from None
+        raise
 
 
 def verify_offline(path: str | os.PathLike[str] | Where, notes: list[str] | None = None) -> bool:

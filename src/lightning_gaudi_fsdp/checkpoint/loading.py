@@ -192,7 +192,7 @@ def check_load(
     Building a sharded or local state dict runs collectives, so it happens before any check that could fail on one
     rank only: every rank reaches the caller's agreement step having run the same collectives."""
     path = readable(path)
-    fmt = detect_format(path)
+    fmt = integrity.format_of(path) if verify else detect_format(path)  # a marker file listed but missing: named
     if fmt in ("sharded", "local"):
         current = engine.current_state(model, fmt, device_type)
     verified = verify_share(path, rank, world_size) if verify else None

@@ -3,6 +3,14 @@ writes (the same device and inode under the same running kernel; not on a FUSE m
 itself, with ``pwrite``, at the offsets rank 0 names in batches as its writer reaches them (see
 :meth:`.stream_receiver.Receiver.place`), then answers once: how many pieces it could not write.
 
+Where the save records checksums (``verify_checkpoints``), the writing rank hashes each piece as it writes it and
+sends the digests with its answer; rank 0's file leaves each such piece out of its own hashing as blocks of their own
+(:meth:`.checksum.HashingFile.skip`) and puts the digests in their place, so the file's checksums are those
+:func:`.integrity.verify` recomputes. Each piece written in place adds up to two blocks and two block ends to the
+digests the file carries in its zip comment, which holds 64 KiB: where they might not fit
+(:func:`.checksum.trailer_fits`: some thousand pieces at most), the pieces are sent to rank 0 instead, which hashes
+them as it writes them.
+
 Rank 0 names its file (:func:`hello`) by path, device, inode and the kernel's boot id (:func:`.space.file_system_id`);
 whether the file system shares writes between descriptors comes from the one mount table reader,
 :func:`.space.mount_of`.
@@ -36,26 +44,28 @@ def shares_writes(path: str) -> bool:
 
 
 def hello(handle: Any, file: Path | None) -> tuple[torch.Tensor, bytes]:
-    """Rank 0's side of the handshake: ``[boot id, device, inode, length of the path]`` of the file it writes
+    """Rank 0's side of the handshake: ``[boot id, device, inode, length of the path, block]`` of the file it writes
     (``handle``, open on ``file``) and its path, or zeros and no path where the other ranks are to send their pieces
-    (no file to share, in-place writes switched off, a file system that does not share writes)."""
-    hashed = isinstance(handle, checksum.HashingFile)  # its checksums need every byte to pass through it
-    shareable = handle is not None and file is not None and _IN_PLACE and not hashed
+    (no file to share, in-place writes switched off, a file system that does not share writes). ``block``: where the
+    file records checksums (a :class:`.checksum.HashingFile`), the block the writers hash their pieces in, else 0."""
+    shareable = handle is not None and file is not None and _IN_PLACE
     shareable = shareable and shares_writes(os.path.realpath(str(file)))
     stat = os.fstat(handle.fileno()) if shareable else None
     boot, device = space.file_system_id(stat) if stat else (0, 0)
     path = os.fsencode(os.path.abspath(file)) if boot else b""  # any name the OS takes (undecodable bytes too)
-    return torch.tensor([boot, device, stat.st_ino if boot else 0, len(path)], dtype=torch.int64), path
+    block = handle.block if boot and isinstance(handle, checksum.HashingFile) else 0
+    return torch.tensor([boot, device, stat.st_ino if boot else 0, len(path), block], dtype=torch.int64), path
 
 
-def open_checkpoint(group: Any) -> int | None:
+def open_checkpoint(group: Any) -> tuple[int | None, int]:
     """A source's side of :meth:`.stream_receiver.Receiver.connect`: the file rank 0 writes, open for writing, if
-    this rank finds it (the same file under the same kernel); else None, and the pieces are sent."""
+    this rank finds it (the same file under the same kernel), else None, and the pieces are sent; and the block its
+    pieces are hashed in (0: the file records no checksums)."""
     import torch.distributed as dist
 
-    hello = torch.zeros(4, dtype=torch.int64)  # boot id, device, inode, length of the path (0: send the pieces)
+    hello = torch.zeros(5, dtype=torch.int64)  # boot id, device, inode, length of the path (0: send the pieces), block
     dist.recv(hello, src=0, tag=CONTROL_TAG, group=group)
-    boot, device, inode, length = hello.tolist()
+    boot, device, inode, length, block = hello.tolist()
     fd = None
     if length:
         name = torch.empty(length, dtype=torch.uint8)
@@ -69,18 +79,22 @@ def open_checkpoint(group: Any) -> int | None:
         except OSError as err:  # not there from here: rank 0 receives the pieces
             log.debug(f"the full checkpoint being written could not be opened on this rank ({err})")
     dist.send(torch.tensor([int(fd is not None)], dtype=torch.int64), dst=0, tag=CONTROL_TAG, group=group)
-    return fd
+    return fd, block
 
 
-def serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
+def serve(fd: int, pieces: dict[int, torch.Tensor], group: Any, block: int = 0) -> None:
     """A source writing in place: write each piece where rank 0 asks (``[tag, offset, bytes]``; offset -1: skip it, the
-    write stopped), then answer once: how many it could not write. After a piece that cannot be written the rest are
-    not written either; the first error is raised after the answer. Once a batch is written the kernel is asked to
-    start writing it to disk (:func:`.buffers.start_writeback`): this rank waits for rank 0 most of the time anyway,
-    and rank 0's fsync at the end then has little more than rank 0's own bytes left to wait for."""
+    write stopped), then answer once: how many it could not write and how many bytes of checksums follow. After a
+    piece that cannot be written the rest are not written either; the first error is raised after the answer. Once a
+    batch is written the kernel is asked to start writing it to disk (:func:`.buffers.start_writeback`): this rank
+    waits for rank 0 most of the time anyway, and rank 0's fsync at the end then has little more than rank 0's own
+    bytes left to wait for. ``block``: each piece is hashed as it is written, from the memory it is written from
+    (never read back), in blocks of that size from its start (:func:`.checksum.block_digests`); the digests of the
+    pieces written follow the answer, in the order they were asked for."""
     import torch.distributed as dist
 
     requests, handled, failed, error = torch.zeros(REQUESTS, 3, dtype=torch.int64), 0, 0, None
+    digests: list[bytes] = []
     while handled < len(pieces):
         dist.recv(requests, src=0, tag=CONTROL_TAG, group=group)  # a batch (see Receiver.place)
         written = []
@@ -97,13 +111,18 @@ def serve(fd: int, pieces: dict[int, torch.Tensor], group: Any) -> None:
             try:
                 if data.numel() != size:  # never written past its place, whatever the plans say
                     raise OSError(f"piece {tag} holds {data.numel()} bytes, its place in the file {size}")
+                if block:
+                    digests.append(checksum.block_digests(buffers.raw(data), block))
                 _write_at(fd, data, offset)
                 written.append((offset, size))
             except OSError as err:
                 error, failed = err, 1
         for offset, size in written:
             buffers.start_writeback(fd, offset, size)
-    dist.send(torch.tensor([failed], dtype=torch.int64), dst=0, tag=CONTROL_TAG, group=group)
+    hashed = b"".join(digests)
+    dist.send(torch.tensor([failed, len(hashed)], dtype=torch.int64), dst=0, tag=CONTROL_TAG, group=group)
+    if hashed:
+        dist.send(torch.frombuffer(bytearray(hashed), dtype=torch.uint8), dst=0, tag=CONTROL_TAG, group=group)
     if error is not None:
         raise error
 

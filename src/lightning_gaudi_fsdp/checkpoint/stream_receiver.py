@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_gaudi_fsdp.checkpoint import stream_in_place
+from lightning_gaudi_fsdp.checkpoint import checksum, stream_in_place
 from lightning_gaudi_fsdp.checkpoint.stream_in_place import CONTROL_TAG, REQUESTS, wait
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,15 @@ class Receiver:
         self._requests: list[Any] = []  # the works of the requests sent to the writers (see place)
         self._batches: dict[int, list[tuple[int, int, int]]] = {}  # writer -> requests not sent: (tag, offset, size)
         self._connected = self._answered = False
+        self.placed: list[tuple[int, int, int]] = []  # (rank, offset, bytes) of each piece asked to be written
+        self.digests: dict[int, bytes] = {}  # tag -> block digests of a piece hashed by the rank that wrote it
+        self._block = 0  # the block the writers hash in (0: no checksums)
+        self._asked: list[int] = []  # the pieces asked to be written, in order
+
+    @property
+    def parts(self) -> int:
+        """How many pieces come from the other ranks."""
+        return len(self._parts)
 
     def connect(self, handle: Any = None, file: Path | None = None) -> None:
         """Agree with every source how its pieces come: rank 0 names the file it writes (``handle``: open on
@@ -84,6 +93,7 @@ class Receiver:
         if not self.sources or self._connected:
             return
         hello, path = stream_in_place.hello(handle, file)
+        self._block = int(hello[4])
         # only now: if anything above raised, drain() connects again without a file, and the sources send their pieces
         self._connected = True
         answers = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
@@ -103,6 +113,9 @@ class Receiver:
         batch = self._batches.setdefault(src, [])
         batch.append((tag, offset, self._size(tag)))
         self._started.add(tag)
+        if offset >= 0:
+            self.placed.append((src, offset, self._size(tag)))
+            self._asked.append(tag)
         if len(batch) == REQUESTS or sum(size for _, o, size in batch if o >= 0) >= _REQUEST_BYTES:
             self._send_batch(src)
 
@@ -131,13 +144,25 @@ class Receiver:
             self._send_batch(src)
         wait(self._requests)
         self._requests = []
-        answers = {src: torch.zeros(1, dtype=torch.int64) for src in sorted(self.writers)}
+        answers = {src: torch.zeros(2, dtype=torch.int64) for src in sorted(self.writers)}
         wait([dist.irecv(answer, src=src, tag=CONTROL_TAG, group=self.group) for src, answer in answers.items()])
-        failed = [src for src, answer in answers.items() if int(answer) != 0]
+        hashed = {src: torch.empty(int(answer[1]), dtype=torch.uint8) for src, answer in answers.items() if answer[1]}
+        wait([dist.irecv(data, src=src, tag=CONTROL_TAG, group=self.group) for src, data in hashed.items()])
+        failed = [src for src, answer in answers.items() if int(answer[0]) != 0]
+        if not failed and self._block:
+            self._take_digests({src: data.numpy().tobytes() for src, data in hashed.items()})
         if failed:
             raise RuntimeError(
                 f"rank(s) {failed} could not write their pieces of the full checkpoint into the file (see their errors)"
             )
+
+    def _take_digests(self, hashed: dict[int, bytes]) -> None:
+        """Each writer's digests (``hashed``: all of them, in the order its pieces were asked for), by piece."""
+        at = dict.fromkeys(hashed, 0)
+        for tag in self._asked:
+            src, count = self._parts[tag][3], -(-self._size(tag) // self._block) * checksum.DIGEST_BYTES
+            self.digests[tag] = hashed.get(src, b"")[at.get(src, 0) : at.get(src, 0) + count]
+            at[src] = at.get(src, 0) + count
 
     def expect(self, order: list[int]) -> None:
         """The placeholders' addresses in the order the writer will meet them: their pieces are received ahead."""

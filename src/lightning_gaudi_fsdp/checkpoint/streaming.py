@@ -8,18 +8,18 @@ runs :meth:`FullStream.send` (posting its sends and waiting for them) in the sam
 
 :meth:`FullStream.write` is ``torch.save`` itself (torch's private writer, see :mod:`..adapters.torch_internals`, with
 torch.save's default pickle module and protocol and its byte-order record), writing to a file that passes every byte
-through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never
-reads it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards; a rank
-that can open the same file (same device and inode under the same running kernel: the same host; not on a FUSE mount)
-writes its pieces into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0
-writes on past them; the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or two of the
-largest pieces) into which they are received ahead of the writer, in the order it will write them. Nothing is copied
-on rank 0 but what the kernel copies into the page cache, as for ``torch.save``. With a CRC32 per record
+through except a placeholder's data: when torch's zip writer hands that over (without a CRC32 to compute it never reads
+it), the file writes the tensor's pieces in its place, in order: rank 0's own straight from its shards; a rank that can
+open the same file (same device and inode under the same running kernel: the same host; not on a FUSE mount) writes its
+pieces into it itself, at the offsets rank 0 names in batches as its writer reaches them, while rank 0 writes on past
+them (where the save records checksums, that rank hashes its pieces as it writes them: see :mod:`.stream_in_place`, and
+its limit on the number of pieces); the pieces of any other rank come from a ring of receive memory (at most 64 MiB, or
+two of the largest pieces) into which they are received ahead of the writer, in the order it will write them. Nothing is
+copied on rank 0 but what the kernel copies into the page cache, as for ``torch.save``. With a CRC32 per record
 (``checkpoint_crc32=True``) torch's writer reads the data it is given, so each placeholder's pieces are first received
-and assembled into one reused buffer. The file is a ``torch.save`` file like any other: same keys, order, dtypes,
-shapes and values as the eagerly gathered state would give, byte for byte, loadable by ``torch.load``
-(``weights_only``, ``mmap``) and Lightning. Pieces that would leave part of a tensor out fail the save before anything
-is written.
+and assembled into one reused buffer. The file is a ``torch.save`` file like any other: same keys, order, dtypes, shapes
+and values as the eagerly gathered state would give, byte for byte, loadable by ``torch.load`` (``weights_only``,
+``mmap``) and Lightning. Pieces that would leave part of a tensor out fail the save before anything is written.
 
 If rank 0's write fails midway (a full disk, a read-only target, a vanished directory), it still receives every piece
 it has not received yet (discarding it) and tells the ranks writing in place to skip the rest, so no sender waits
@@ -73,6 +73,7 @@ class FullStream:
         self._sends: list[tuple[torch.Tensor, int]] = []  # other ranks: (piece, tag)
         self.in_place = False  # whether the last save's other-rank pieces were written into the file by their ranks
         self.senders = 0  # rank 0: how many ranks sent their pieces in the last save instead (other hosts)
+        self.placed: list[tuple[int, int, int]] = []  # rank 0: (rank, offset, bytes) of each piece written in place
 
     @property
     def pending(self) -> bool:
@@ -136,35 +137,42 @@ class FullStream:
         that file (:meth:`Receiver.connect`), else send it to rank 0; return once each is written or received."""
         import torch.distributed as dist
 
-        fd = stream_in_place.open_checkpoint(self.group)
+        fd, block = stream_in_place.open_checkpoint(self.group)
         self.in_place = fd is not None
         if fd is None:
             stream_in_place.wait([dist.isend(piece, dst=0, tag=tag, group=self.group) for piece, tag in self._sends])
             return
         try:
-            stream_in_place.serve(fd, {tag: piece for piece, tag in self._sends}, self.group)
+            stream_in_place.serve(fd, {tag: piece for piece, tag in self._sends}, self.group, block)
         finally:
             os.close(fd)
 
     def write(self, obj: Any, file: Path | files.Remote, expected: int | None = None) -> None:
         """Rank 0: ``torch.save(obj, file)``, each placeholder's storage written from the pieces it is made of.
-        Every planned piece is received before this returns or raises. While the save records checksums, every byte
-        goes through rank 0's file (no rank writes in place) and the file carries them (``expected``: about its
-        size; see :mod:`.checksum`)."""
+        Every planned piece is received before this returns or raises. While the save records checksums the file
+        carries them (``expected``: about its size; see :mod:`.checksum`): the ranks writing in place hash their
+        pieces and send the digests (see :mod:`.stream_in_place`), unless they might not fit the file's zip comment,
+        when every piece goes through rank 0's file."""
         receiver = Receiver(self._records, self.group)
         # at a URL: each tensor assembled on rank 0 and written through the upload (no in-place writes, no holes)
         local = not files.is_remote(file)
         direct = not torch.serialization.get_crc32_options() and local
+        parts = receiver.parts
         try:
             receiver.arrange()
             order = torch_internals.storage_order(obj, ByteCounter())
-            with checksum.open_for_writing(file, trailer=True, expected=expected) as handle:
-                receiver.connect(handle if direct else None, Path(file) if local else None)
+            with checksum.open_for_writing(file, trailer=True, expected=expected, parts=parts) as handle:
+                hashed = isinstance(handle, checksum.HashingFile)
+                shared = direct and (not hashed or checksum.trailer_fits(expected, parts))
+                receiver.connect(handle if shared else None, Path(file) if local else None)
                 self.in_place = bool(receiver.writers)
                 self.senders = len(receiver.sources) - len(receiver.writers)
                 sink = _File(handle, receiver) if direct else handle
                 torch_internals.save_through(obj, sink, lambda writer: _Writer(writer, receiver, order, sink))
                 receiver.finish()
+                for tag, digests in receiver.digests.items():
+                    handle.fill(tag, digests)
+                self.placed = list(receiver.placed)
         finally:
             receiver.drain()
         log.debug(
@@ -227,7 +235,9 @@ class _File:
         if record is not None and len(data) == record.nbytes and buffers.address(data) == record.address:
             self.pending = None
             for chunk in self._receiver.chunks(record):
-                if isinstance(chunk, Hole):  # its rank writes it there itself
+                if isinstance(chunk, Hole) and isinstance(self._handle, checksum.HashingFile):
+                    self._receiver.place(chunk.tag, self._handle.skip(chunk.size, chunk.tag))  # hashed by its rank
+                elif isinstance(chunk, Hole):  # its rank writes it there itself
                     offset = self._handle.tell()
                     self._handle.seek(chunk.size, os.SEEK_CUR)  # what comes before is written (flushed) first
                     self._receiver.place(chunk.tag, offset)
