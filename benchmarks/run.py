@@ -83,6 +83,8 @@ CHECKPOINT_TARGETS = {
     "throughput_vs_disk": 0.5,
     "full_peak_rss_vs_state": 1.3,
     "async_blocked_vs_sync": 0.1,
+    "checksums_save": 1.05,  # issue 43: save with checksums / without (verify_checkpoints), per format
+    "checksums_resume": 1.10,  # resume with verification / without
 }
 
 
@@ -236,6 +238,24 @@ def derive_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
             # the time training waits for an async save, against the same save done synchronously in that round
             "blocked_vs_sync": _paired([r["blocked_s"] for r in background], seconds(fmt)),
         }
+    if "unverified" in result:  # the same saves and loads without checksums, paired per round
+        for fmt in ("full", "sharded", "local"):
+            off, async_off, background = (
+                result["unverified"][fmt],
+                result["async_unverified"][fmt],
+                result["async"][fmt],
+            )
+            result[fmt]["checksums"] = {
+                "save_s_without": statistics.median(r["save_s"] for r in off),
+                "load_s_without": statistics.median(r["load_s"] for r in off),
+                "save_ratio": _paired(seconds(fmt), [r["save_s"] for r in off]),
+                "load_ratio": _paired([r["load_s"] for r in result[fmt]["rounds"]], [r["load_s"] for r in off]),
+                "async_save_ratio": _paired([r["save_s"] for r in background], [r["save_s"] for r in async_off]),
+                "async_blocked_ratio": _paired(
+                    [r["blocked_s"] for r in background], [r["blocked_s"] for r in async_off]
+                ),
+            }
+        del result["unverified"], result["async_unverified"]
     del result["async"]
     result["full"]["save_vs_torch_save"] = _paired(seconds("full"), seconds("torch_save"))
     if "torch_save_plain" in result:
