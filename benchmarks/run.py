@@ -22,7 +22,11 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    made inside ``fit`` (at the end of a step, as a checkpoint callback makes it) against ``torch.save`` without
    CRC32s + fsync of the same state, in turn at the end of each step, paired per step (issue 31's target, <= 1.2);
    no file is deleted while they are timed (a write right after a large file was deleted is slower, see
-   ``worker.checkpoint_in_fit``).
+   ``worker.checkpoint_in_fit``). Each save, async save and load runs again in the same round with
+   ``verify_checkpoints=False`` (which of the two goes first alternates by round): save with checksums / without,
+   per format and for the async save (target <= 1.05; ``full`` on 2 ranks is the streamed save), and resume
+   (``strategy.load_checkpoint``) verified / not (target <= 1.10), paired per round; the async save's blocked time
+   with / without is shown too (it should stay where it is).
 4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved in bf16
    with ``save_pretrained`` in several files) is built in fp32 and its weights put into the shards, with
    ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
