@@ -95,6 +95,16 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             target = ("<=", t["async_blocked_vs_sync"])  # full: streamed in the background
             values = per_engine(lambda r, f=fmt: r[f]["async"]["blocked_vs_sync"])
             rows.append(_row(f"{fmt} save: blocked time, async / sync", values, target))
+        if "checksums_save" in t and "checksums" in c[engines[0]]["full"]:
+            for fmt in ("full", "sharded", "local"):  # full at 2 ranks and more: the streamed save
+                checks = (
+                    (f"{fmt} save, checksums / without", "save_ratio", ("<=", t["checksums_save"])),
+                    (f"{fmt} async save, checksums / without", "async_save_ratio", ("<=", t["checksums_save"])),
+                    (f"{fmt} async save blocked time, checksums / without", "async_blocked_ratio", None),
+                    (f"{fmt} resume, verified / not", "load_ratio", ("<=", t["checksums_resume"])),
+                )
+                for name, key, target in checks:
+                    rows.append(_row(name, per_engine(lambda r, f=fmt, k=key: r[f]["checksums"][k]), target))
         staging = per_engine(lambda r: max(r[f]["async"]["staging_bytes"] / r[f]["bytes"] for f in FORMATS))
         rows.append(_row("rank 0 host staging buffers of an async save / checkpoint bytes (largest)", staging, None))
         for fmt in ("full", "sharded", "local"):

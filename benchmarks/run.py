@@ -22,7 +22,11 @@ Both engines are measured in the same run: FSDP1 (``GaudiFSDPStrategy(fsdp_versi
    made inside ``fit`` (at the end of a step, as a checkpoint callback makes it) against ``torch.save`` without
    CRC32s + fsync of the same state, in turn at the end of each step, paired per step (issue 31's target, <= 1.2);
    no file is deleted while they are timed (a write right after a large file was deleted is slower, see
-   ``worker.checkpoint_in_fit``).
+   ``worker.checkpoint_in_fit``). Each save, async save and load runs again in the same round with
+   ``verify_checkpoints=False`` (which of the two goes first alternates by round): save with checksums / without,
+   per format and for the async save (target <= 1.05; ``full`` on 2 ranks is the streamed save), and resume
+   (``strategy.load_checkpoint``) verified / not (target <= 1.10), paired per round; the async save's blocked time
+   with / without is shown too (it should stay where it is).
 4. Pretrained weights in, per engine: peak host memory each rank adds while a Hugging Face Llama (saved in bf16
    with ``save_pretrained`` in several files) is built in fp32 and its weights put into the shards, with
    ``pretrained_weights`` (meta construction, each rank reads its slices) and without the strategy's help
@@ -83,6 +87,8 @@ CHECKPOINT_TARGETS = {
     "throughput_vs_disk": 0.5,
     "full_peak_rss_vs_state": 1.3,
     "async_blocked_vs_sync": 0.1,
+    "checksums_save": 1.05,  # issue 43: save with checksums / without (verify_checkpoints), per format
+    "checksums_resume": 1.10,  # resume with verification / without
 }
 
 
@@ -236,6 +242,24 @@ def derive_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
             # the time training waits for an async save, against the same save done synchronously in that round
             "blocked_vs_sync": _paired([r["blocked_s"] for r in background], seconds(fmt)),
         }
+    if "unverified" in result:  # the same saves and loads without checksums, paired per round
+        for fmt in ("full", "sharded", "local"):
+            off, async_off, background = (
+                result["unverified"][fmt],
+                result["async_unverified"][fmt],
+                result["async"][fmt],
+            )
+            result[fmt]["checksums"] = {
+                "save_s_without": statistics.median(r["save_s"] for r in off),
+                "load_s_without": statistics.median(r["load_s"] for r in off),
+                "save_ratio": _paired(seconds(fmt), [r["save_s"] for r in off]),
+                "load_ratio": _paired([r["load_s"] for r in result[fmt]["rounds"]], [r["load_s"] for r in off]),
+                "async_save_ratio": _paired([r["save_s"] for r in background], [r["save_s"] for r in async_off]),
+                "async_blocked_ratio": _paired(
+                    [r["blocked_s"] for r in background], [r["blocked_s"] for r in async_off]
+                ),
+            }
+        del result["unverified"], result["async_unverified"]
     del result["async"]
     result["full"]["save_vs_torch_save"] = _paired(seconds("full"), seconds("torch_save"))
     if "torch_save_plain" in result:

@@ -159,15 +159,22 @@ def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
 
     result: dict[str, Any] = {name: [] for name in (*FORMATS, *TORCH_SAVES, "disk")}
     result["async"] = {fmt: [] for fmt in FORMATS}
+    # the same saves and loads with verify_checkpoints=False, in the same rounds (alternating which goes first)
+    result["unverified"] = {fmt: [] for fmt in FORMATS}
+    result["async_unverified"] = {fmt: [] for fmt in FORMATS}
     savers = {fmt: BackgroundSaver() for fmt in FORMATS}  # one per format: its host buffers are reused across rounds
     state: dict[str, Any] | None = None
     rounds, warmup = cfg.get("rounds", 1), cfg.get("warmup", 0)
     for round_ in range(warmup + rounds):
         for fmt in FORMATS:  # BENCH_PROFILE profiles the last round's save: warm, as the later rounds are
-            result[fmt].append(
-                _save_and_load(trainer, fmt, out / f"ckpt-{fmt}", cfg, profile=round_ == warmup + rounds - 1)
-            )
-            result["async"][fmt].append(_async_save(trainer, fmt, out / f"ckpt-{fmt}-async", savers[fmt]))
+            for verify in (True, False) if round_ % 2 == 0 else (False, True):
+                _set_verify(trainer.strategy, verify)
+                saved, background = ("unverified", "async_unverified") if not verify else (fmt, "async")
+                last = round_ == warmup + rounds - 1 and verify
+                row = _save_and_load(trainer, fmt, out / f"ckpt-{fmt}", cfg, profile=last)
+                (result[saved] if verify else result[saved][fmt]).append(row)
+                result[background][fmt].append(_async_save(trainer, fmt, out / f"ckpt-{fmt}-async", savers[fmt]))
+            _set_verify(trainer.strategy, True)
         if state is None:
             state = _full_state(trainer)  # collective; rank 0 gets the state, the others an empty one
         if rank == 0:
@@ -177,7 +184,9 @@ def checkpoint(rank: int, cfg: dict[str, Any]) -> None:
     if rank == 0:
         # the warm-up rounds wrote into memory the machine had not used yet (every contender's first write is
         # several times slower; docs/benchmarks.md): run, not counted
-        result = {k: {f: v[warmup:] for f, v in r.items()} if k == "async" else r[warmup:] for k, r in result.items()}
+        result = {
+            k: {f: v[warmup:] for f, v in r.items()} if isinstance(r, dict) else r[warmup:] for k, r in result.items()
+        }
         _write(cfg, {**result, "state_bytes": _state_bytes(state)})
     _leave()
 
@@ -322,6 +331,16 @@ def _save_and_load(trainer: Any, fmt: str, path: Path, cfg: dict[str, Any], prof
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     # the layout written: which format the save really used (the files of a folder; [] for one file)
     return {"save_s": save_s, "load_s": load_s, "bytes": _dir_bytes(path), "rank0_peak_rss": peak, "files": files}
+
+
+def _set_verify(strategy: Any, on: bool) -> None:
+    """Make ``strategy`` record checksums on its saves and verify them on its loads (``verify_checkpoints``), or
+    not, from now on (a tree without the option: nothing changes)."""
+    import dataclasses
+
+    config = getattr(strategy, "_config", None)
+    if dataclasses.is_dataclass(config) and hasattr(config, "verify_checkpoints"):
+        strategy._config = dataclasses.replace(config, verify_checkpoints=on)
 
 
 def _remove(path: Path) -> None:

@@ -130,8 +130,16 @@ class BlockHasher:
         self._filled = 0
         self._holes: dict[Any, tuple[int, int]] = {}  # key -> (index of its first block, its blocks) not filled yet
 
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
+    def update(self, data: Any) -> int:
+        """Hash ``data`` (any contiguous buffer); returns its length in bytes."""
+        view = memoryview(data)
+        size = view.nbytes
+        if size < self.block - self._filled and view.c_contiguous:  # within the block: one call (most writes)
+            self._hasher.update(view)
+            self._filled += size
+            self.size += size
+            return size
+        view = view.cast("B")
         while len(view):
             take = min(len(view), self.block - self._filled)
             self._hasher.update(view[:take])
@@ -140,6 +148,7 @@ class BlockHasher:
             view = view[take:]
             if self._filled == self.block:
                 self._close_block()
+        return size
 
     def cut(self) -> None:
         """End the current block here (an entry starts): damage is then placed within the entry."""
@@ -209,12 +218,12 @@ class HashingFile:
         self.digest: Digest | None = None
 
     def write(self, data: Any) -> int:
+        if not self._trailer:  # each write costs one call into the hasher, besides the hash itself
+            size = self._hasher.update(data)
+            self._raw.write(data)
+            return size
         view = memoryview(data).cast("B")
         size = len(view)
-        if not self._trailer:
-            self._hasher.update(view)
-            self._raw.write(view)
-            return size
         if size >= _EOCD_SIZE:  # hold back the last 22 bytes written: the end record, once the archive ends
             if self._tail:
                 self._pass(self._tail)
