@@ -218,9 +218,15 @@ def test_trainer_bf16_mixed_autocasts_on_the_cpu(scenario, engine):
     assert info["seen_dtypes"]["training_step_matmul"] == "torch.bfloat16"
     assert info["seen_dtypes"]["training_step_fp32_matmul"] == "torch.bfloat16"
     assert info["fc_forward"]["output"] == "torch.bfloat16"
-    if engine == 1:  # as with Lightning's FSDPStrategy, the precision plugin gives FSDP1 units bf16 parameters
+    if engine == 1:  # as with Lightning's FSDPStrategy, the precision plugin sets FSDP1 units' dtypes: bf16
+        # parameters on Lightning 2.6, fp32 parameters with bf16 reduction and buffers on Lightning 2.5
+        from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+
+        expected = FSDPPrecision("bf16-mixed").mixed_precision_config
         assert info["units"]
-        assert all("param_dtype=torch.bfloat16" in unit["mixed_precision"] for unit in info["units"])
+        for unit in info["units"]:
+            assert f"param_dtype={expected.param_dtype}" in unit["mixed_precision"]
+            assert f"reduce_dtype={expected.reduce_dtype}" in unit["mixed_precision"]
 
 
 def test_cpu_offload_on_a_cpu_run_is_ignored_with_a_warning(scenario):
