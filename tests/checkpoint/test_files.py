@@ -22,6 +22,7 @@ from lightning_gaudi_fsdp.checkpoint import commit, files, formats, storage
 from lightning_gaudi_fsdp.checkpoint.loading import read_full_model_state
 from lightning_gaudi_fsdp.checkpoint.location import CheckpointURLError
 from lightning_gaudi_fsdp.cli import main
+from tiny_module import Tiny
 
 
 def _checkpoint(step: int) -> dict[str, Any]:
@@ -146,21 +147,6 @@ def test_inspect_and_convert_take_s3_urls(s3, tmp_path, cwd):
     assert list(cwd.iterdir()) == []
 
 
-class _Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> Any:
-        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
-
-
 @pytest.mark.parametrize("problem", ["bucket", "credentials"])
 def test_a_missing_bucket_or_refused_credentials_stop_fit_before_training(s3, cwd, monkeypatch, problem):
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -169,7 +155,7 @@ def test_a_missing_bucket_or_refused_credentials_stop_fit_before_training(s3, cw
     if problem == "credentials":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     _fresh_clients()
-    module = _Tiny()
+    module = Tiny()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

@@ -17,12 +17,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_gaudi_fsdp import GaudiFSDPStrategy
 from lightning_gaudi_fsdp.checkpoint.location import CheckpointURLError, local_path
 from lightning_gaudi_fsdp.cli import main
 from lightning_gaudi_fsdp.fabric import GaudiFSDPStrategy as FabricStrategy
+from tiny_module import Tiny
 
 URL = "s3://ckpt/run/x.ckpt"
 UNKNOWN = "nosuch://ckpt/run/x.ckpt"
@@ -66,21 +66,6 @@ def in_process(argument: str, value: str, call: str = "") -> str:
 def tree(root: Path) -> dict[str, bytes | None]:
     """Every file and folder under ``root`` (a file with its bytes)."""
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
-
-
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(torch.randn(8, 4), batch_size=4)
 
 
 @pytest.fixture
