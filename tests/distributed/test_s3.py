@@ -67,6 +67,7 @@ def test_model_checkpoint_on_s3_then_ckpt_path_last_equals_an_uninterrupted_run(
             "model_checkpoint": callback,
         }
     )
+    assert resumed.rank(0)["first_step"] == k + 1  # from last.ckpt at step k, not from step 0
     _assert_same_run(resumed.final(), straight)
     # read by the fast sharded load (each rank's pieces straight from the shard objects), through the seam
     assert json.loads((resumed.out / "sharded_loads0.json").read_text()) == {"fast": 1, "torch": 0}
@@ -115,6 +116,7 @@ def test_a_rank_killed_mid_upload_leaves_the_previous_checkpoint_and_the_next_sa
             "ckpt_path": f"{folder}/ckpt.ckpt",
         }
     )
+    assert resumed.rank(0)["first_step"] == k + 1  # from the step-k checkpoint the killed save left in place
     _assert_same_run(resumed.final(), uninterrupted(strategy, _module()))
     committed = _committed(s3, folder)  # every object belongs to a committed checkpoint: no leftover generation
     assert list(committed) == ["ckpt.ckpt"], committed
@@ -152,6 +154,7 @@ def test_trainer_save_checkpoint_to_s3_and_resume_from_it_in_every_format(
     if fmt == "full":  # streamed into the upload: rank 0 never held the whole model (see docs/checkpoints.md)
         assert json.loads((first.out / "streamed0.json").read_text()) == 1
     resumed = scenario({"strategy": strategy, "module": _module(), "max_steps": 2 * k, "ckpt_path": url})
+    assert resumed.rank(0)["first_step"] == k + 1
     _assert_same_run(resumed.final(), uninterrupted(strategy, _module()))
 
 
